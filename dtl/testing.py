@@ -1,0 +1,97 @@
+"""Run a function on N gloo ranks from pytest: spawn, a FileStore, no ports, fast failure.
+
+    def _body(scale):                      # module level, so spawn can pickle it
+        t = torch.ones(3) * dist.get_rank()
+        dist.all_reduce(t)
+        return t
+
+    results = run_distributed(_body, 2.0, world_size=4)   # [rank0's return, rank1's, ...]
+
+If any rank raises, the test fails at once with that rank's traceback, and the other ranks (which
+may be blocked in a collective waiting for the dead one) are killed instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dtl.dist import cleanup
+
+
+class RankFailed(AssertionError):
+    """A rank raised: the message carries its traceback."""
+
+
+def _worker(rank, world_size, store_path, fn, args, kwargs, results, timeout_s):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", out))
+        cleanup()
+    except BaseException:  # noqa: BLE001 - the whole point is to report anything
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world_size, store_path, fn, args, kwargs, results, timeout_s))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            outputs = _collect(procs, results, world_size, timeout_s)
+        except BaseException:
+            _reap(procs, grace_s=0)  # the others may be blocked on the failed rank: kill them now
+            raise
+        _reap(procs, grace_s=10)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _collect(procs, results, world_size, timeout_s) -> dict:
+    outputs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s + 30
+    while len(outputs) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs]
+            if dead:
+                raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+            if time.monotonic() > deadline:
+                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(outputs))} "
+                                 f"did not finish in {timeout_s + 30:.0f} s") from None
+            continue
+        if status == "error":
+            raise RankFailed(f"rank {rank} failed:\n{payload}")
+        outputs[rank] = payload
+    return outputs
+
+
+def _reap(procs, grace_s: float) -> None:
+    for p in procs:
+        p.join(timeout=grace_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
