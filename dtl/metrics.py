@@ -58,7 +58,7 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
 def format_step(step: int, total: int, *, loss: float | None = None, lr: float | None = None,
                 grad_norm: float | None = None, dt_s: float | None = None,
                 tokens_per_s: float | None = None, mfu_value: float | None = None,
-                show_mfu: bool = False, **extra) -> str:
+                show_mfu: bool = False, unit: str = "tok", **extra) -> str:
     parts = [f"step {step}/{total}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
@@ -69,7 +69,7 @@ def format_step(step: int, total: int, *, loss: float | None = None, lr: float |
     if dt_s is not None:
         parts.append(f"{dt_s * 1000:.0f} ms")
     if tokens_per_s is not None:
-        parts.append(f"{tokens_per_s:,.0f} tok/s")
+        parts.append(f"{tokens_per_s:,.0f} {unit}/s")
     if show_mfu or mfu_value is not None:
         parts.append(f"mfu {mfu_value:.1%}" if mfu_value is not None else "mfu n/a")
     parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items()]
@@ -81,13 +81,15 @@ class StepLogger:
 
     def __init__(self, out_dir: str, total_steps: int, *, tokens_per_step: int | None = None,
                  flops_per_token: float | None = None, peak_flops_per_device: float | None = None,
-                 n_devices: int = 1, tensorboard: bool = True, progress: bool | None = None):
+                 n_devices: int = 1, tensorboard: bool = True, progress: bool | None = None,
+                 unit: str = "tok"):
         self.enabled = get_rank() == 0
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_device
         self.n_devices = n_devices
+        self.unit = unit  # what tokens_per_step counts: "tok" for LMs, "img" for MNIST
         self.writer = None
         self.bar = None
         self.log_path = os.path.join(out_dir, "log.txt")
@@ -111,14 +113,14 @@ class StepLogger:
             tok_s and self.flops_per_token) else None
         line = format_step(step, self.total, loss=loss, lr=lr, grad_norm=grad_norm, dt_s=dt_s,
                            tokens_per_s=tok_s, mfu_value=mfu_value,
-                           show_mfu=self.flops_per_token is not None, **extra)
+                           show_mfu=self.flops_per_token is not None, unit=self.unit, **extra)
         if not self.enabled:
             return line
         if self.bar is not None:
             self.bar.update(1)
         self._emit(line, print_line)
         scalars = {"loss/train": loss, "opt/lr": lr, "opt/grad_norm": grad_norm,
-                   "perf/step_ms": dt_s and dt_s * 1000, "perf/tokens_per_s": tok_s,
+                   "perf/step_ms": dt_s and dt_s * 1000, f"perf/{self.unit}_per_s": tok_s,
                    "perf/mfu": mfu_value, **{f"extra/{k}": v for k, v in extra.items()}}
         self.scalars(step, {k: v for k, v in scalars.items() if isinstance(v, (int, float))})
         return line

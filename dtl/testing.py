@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -40,7 +41,8 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, timeout_s):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # plain pickle, not torch's shared-memory handles: the rank may exit before we read it
+        results.put((rank, "ok", pickle.dumps(out)))
         cleanup()
     except BaseException:  # noqa: BLE001 - the whole point is to report anything
         results.put((rank, "error", traceback.format_exc()))
@@ -65,6 +67,10 @@ def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kw
             _reap(procs, grace_s=0)  # the others may be blocked on the failed rank: kill them now
             raise
         _reap(procs, grace_s=10)
+    # a rank that returned its result but then died at exit (gloo's abort without cleanup())
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RankFailed(f"rank {bad[0][0]} finished but exited with code {bad[0][1]}")
     return [outputs[r] for r in range(world_size)]
 
 
@@ -84,7 +90,7 @@ def _collect(procs, results, world_size, timeout_s) -> dict:
             continue
         if status == "error":
             raise RankFailed(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = pickle.loads(payload)
     return outputs
 
 

