@@ -30,7 +30,9 @@ def check_broadcast(device, group=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     src_group_rank = n - 1
     t = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
-    dist.broadcast(t, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
+    dist.broadcast(
+        t, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group
+    )
     return t, torch.full_like(t, float(src_group_rank))
 
 
@@ -74,8 +76,10 @@ def check_reduce_scatter(device, group=None):
     # before: (n, N_ELEMS) per rank, row j holds r*n + j; after: rank r holds row r summed over
     # ranks: sum_k (k*n + r) = n * n(n - 1)/2 + n*r
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    rows = [torch.full((N_ELEMS,), float(r * n + j), device=device, dtype=torch.float64)
-            for j in range(n)]
+    rows = [
+        torch.full((N_ELEMS,), float(r * n + j), device=device, dtype=torch.float64)
+        for j in range(n)
+    ]
     out = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
     dist.reduce_scatter(out, rows, op=dist.ReduceOp.SUM, group=group)
     return out, torch.full_like(out, n * n * (n - 1) / 2 + n * r)
@@ -99,7 +103,8 @@ def check_all_reduce_is_reduce_scatter_plus_all_gather(device, group=None):
 
 def check_all_to_all(device, group=None):
     # a transpose across ranks: input element j of rank r goes to rank j, slot r.
-    # before: rank r holds [r*n + 0, ..., r*n + n-1]; after: rank r holds [0*n + r, ..., (n-1)*n + r]
+    # before: rank r holds [r*n + 0, ..., r*n + n-1]
+    # after:  rank r holds [0*n + r, ..., (n-1)*n + r]
     n, r = dist.get_world_size(group), dist.get_rank(group)
     inp = torch.arange(n, device=device, dtype=torch.float64) + r * n
     out = torch.empty_like(inp)
@@ -115,8 +120,10 @@ def check_send_recv_ring(device, group=None):
     if n == 1:  # a ring of one: gloo cannot send to itself, and the left neighbour is you
         return mine.clone(), mine
     got = torch.empty_like(mine)
-    ops = [dist.P2POp(dist.isend, mine, dist.get_global_rank(g, (r + 1) % n), group),
-           dist.P2POp(dist.irecv, got, dist.get_global_rank(g, (r - 1) % n), group)]
+    ops = [
+        dist.P2POp(dist.isend, mine, dist.get_global_rank(g, (r + 1) % n), group),
+        dist.P2POp(dist.irecv, got, dist.get_global_rank(g, (r - 1) % n), group),
+    ]
     for work in dist.batch_isend_irecv(ops):  # posted together: no rank waits for another
         work.wait()
     return got, torch.full_like(got, float((r - 1) % n))
@@ -140,7 +147,9 @@ def even_odd_groups():
     n = dist.get_world_size()
     even = dist.new_group(list(range(0, n, 2)))
     odd = dist.new_group(list(range(1, n, 2))) if n > 1 else None
-    return (even if dist.get_rank() % 2 == 0 else odd), ("even" if dist.get_rank() % 2 == 0 else "odd")
+    return (even if dist.get_rank() % 2 == 0 else odd), (
+        "even" if dist.get_rank() % 2 == 0 else "odd"
+    )
 
 
 def run_all(device) -> list[tuple[str, bool]]:
@@ -163,13 +172,15 @@ GLOO_UNSUPPORTED = ("ReduceOp.PREMUL_SUM", "all_gather / all_to_all with uneven 
 
 
 def support_table(backend: str, results: list[tuple[str, bool]]) -> str:
-    """Which operations this run executed on `backend`, and whether every rank got the closed form."""
+    """What this run executed on `backend`, and whether every rank got the closed form."""
     ops: dict[str, bool] = {}
     for name, ok in results:
         op = name.split(" [")[0]
         ops[op] = ops.get(op, True) and ok
-    lines = [f"operations run on {backend}: " + ", ".join(
-        f"{op} {'ok' if ok else 'FAILED'}" for op, ok in ops.items())]
+    lines = [
+        f"operations run on {backend}: "
+        + ", ".join(f"{op} {'ok' if ok else 'FAILED'}" for op, ok in ops.items())
+    ]
     if backend == "gloo":
         lines.append("not supported by gloo (not run): " + "; ".join(GLOO_UNSUPPORTED))
     return "\n".join(lines)
@@ -189,9 +200,11 @@ def main() -> None:
     for (name, _), ok in zip(results, passed):
         dtl_dist.print0(f"  {'ok  ' if ok else 'FAIL'} {name}")
     dtl_dist.print0(support_table(info.backend, [(n, ok) for (n, _), ok in zip(results, passed)]))
-    dtl_dist.print0(f"summary: collectives {sum(passed)}/{len(passed)} checks passed "
-                    f"on {info.world_size} ranks ({info.backend})"
-                    + (", even/odd sub-groups included" if info.world_size > 1 else ""))
+    dtl_dist.print0(
+        f"summary: collectives {sum(passed)}/{len(passed)} checks passed "
+        f"on {info.world_size} ranks ({info.backend})"
+        + (", even/odd sub-groups included" if info.world_size > 1 else "")
+    )
     failed = not all(passed)
     dtl_dist.cleanup()
     if failed:

@@ -113,16 +113,21 @@ def main() -> None:
     dtl_config.save(cfg, cfg.out_dir)
     mean = mnist["train_images"].float().div(255).mean().item()  # 0.1307 for the real MNIST
     std = mnist["train_images"].float().div(255).std().item()  # 0.3081
-    train_set = TensorDataset(to_float(mnist["train_images"], mean, std), mnist["train_labels"].long())
+    train_set = TensorDataset(
+        to_float(mnist["train_images"], mean, std), mnist["train_labels"].long()
+    )
     sampler = DistributedSampler(train_set, info.world_size, info.rank, shuffle=True, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
     model = DDP(build_model(cfg.seed).to(info.device))
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     steps = len(loader) * cfg.epochs
-    log = StepLogger(cfg.out_dir, steps, tokens_per_step=cfg.batch_size * info.world_size,
-                     unit="img")
-    dtl_dist.print0(f"MNIST: {len(train_set):,} train / {len(mnist['test_labels']):,} test images; "
-                    f"{len(loader)} steps per epoch per rank, global batch {cfg.batch_size * info.world_size}")
+    log = StepLogger(
+        cfg.out_dir, steps, tokens_per_step=cfg.batch_size * info.world_size, unit="img"
+    )
+    dtl_dist.print0(
+        f"MNIST: {len(train_set):,} train / {len(mnist['test_labels']):,} test images; "
+        f"{len(loader)} steps per epoch per rank, global batch {cfg.batch_size * info.world_size}"
+    )
     start, step = time.monotonic(), 0
     test_x = to_float(mnist["test_images"], mean, std)
     for epoch in range(cfg.epochs):
@@ -133,17 +138,23 @@ def main() -> None:
             step += 1
             if step % cfg.log_every == 0 or step == steps:
                 log.log(step, loss=loss.item(), dt_s=time.monotonic() - t0, epoch=epoch)
-        acc = evaluate(model.module, test_x, mnist["test_labels"], info.rank, info.world_size, info.device)
+        acc = evaluate(
+            model.module, test_x, mnist["test_labels"], info.rank, info.world_size, info.device
+        )
         log.scalars(step, {"eval/test_accuracy": acc})
-        log.info(f"epoch {epoch + 1}/{cfg.epochs}: test accuracy {acc:.2%} "
-                 f"({time.monotonic() - start:.0f} s)")
+        log.info(
+            f"epoch {epoch + 1}/{cfg.epochs}: test accuracy {acc:.2%} "
+            f"({time.monotonic() - start:.0f} s)"
+        )
     elapsed = time.monotonic() - start
     same = replicas_identical(model.module)
     if info.is_main:
         torch.save(model.module.state_dict(), os.path.join(cfg.out_dir, "model.pt"))
     log.close()
-    dtl_dist.print0(f"summary: mnist test accuracy {acc:.2%} after {cfg.epochs} epochs in {elapsed:.0f} s "
-                    f"on {info.world_size} ranks ({info.backend}); target {cfg.target_accuracy:.0%}")
+    dtl_dist.print0(
+        f"summary: mnist test accuracy {acc:.2%} after {cfg.epochs} epochs in {elapsed:.0f} s "
+        f"on {info.world_size} ranks ({info.backend}); target {cfg.target_accuracy:.0%}"
+    )
     dtl_dist.print0(f"summary: ddp replicas identical on all ranks: {'yes' if same else 'NO'}")
     dtl_dist.print0(f"saved {cfg.out_dir}/model.pt, TensorBoard in {cfg.out_dir}/tb")
     ok = same and acc >= cfg.target_accuracy

@@ -108,6 +108,8 @@ class CommCounter:
     def table(self) -> str:
         rows = [f"{'collective':<16}{'calls':>7}{'bytes (S)':>14}{'ring bytes/rank':>17}"]
         for k in sorted(self.calls):
-            rows.append(f"{k:<16}{self.calls[k]:>7}{self.bytes[k]:>14,}"
-                        f"{self.ring_bytes_per_rank(k):>17,.0f}")
+            rows.append(
+                f"{k:<16}{self.calls[k]:>7}{self.bytes[k]:>14,}"
+                f"{self.ring_bytes_per_rank(k):>17,.0f}"
+            )
         return "\n".join(rows)

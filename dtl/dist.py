@@ -130,7 +130,9 @@ class ParallelGrid:
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"ParallelGrid: {axis} must be a positive integer, got {size!r}")
         initialized = dist.is_initialized()
-        world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        world_size = (
+            world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        )
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         product = dp * pp * cp * tp
         if product != world_size:

@@ -28,7 +28,7 @@ PEAK_BF16_FLOPS = {
 
 
 def peak_flops(device: torch.device | str | None = None) -> float | None:
-    """Peak dense BF16 FLOP/s of `device`, or None where unknown (CPUs). DTL_PEAK_TFLOPS overrides."""
+    """Peak dense BF16 FLOP/s of `device`; None where unknown (CPUs). DTL_PEAK_TFLOPS overrides."""
     if os.environ.get("DTL_PEAK_TFLOPS"):
         return float(os.environ["DTL_PEAK_TFLOPS"]) * 1e12
     device = torch.device(device) if device is not None else None
@@ -38,8 +38,9 @@ def peak_flops(device: torch.device | str | None = None) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, peak_per_device: float | None,
-        n_devices: int = 1) -> float | None:
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, n_devices: int = 1
+) -> float | None:
     """Model FLOPs utilization = achieved model FLOP/s / (peak FLOP/s x devices)."""
     if not peak_per_device:
         return None
@@ -50,15 +51,27 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     """Peak memory in MiB: CUDA allocator peaks on a GPU, process peak RSS on the CPU."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
-        return {"max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-                "max_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
+        return {
+            "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "max_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
     return {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def format_step(step: int, total: int, *, loss: float | None = None, lr: float | None = None,
-                grad_norm: float | None = None, dt_s: float | None = None,
-                tokens_per_s: float | None = None, mfu_value: float | None = None,
-                show_mfu: bool = False, unit: str = "tok", **extra) -> str:
+def format_step(
+    step: int,
+    total: int,
+    *,
+    loss: float | None = None,
+    lr: float | None = None,
+    grad_norm: float | None = None,
+    dt_s: float | None = None,
+    tokens_per_s: float | None = None,
+    mfu_value: float | None = None,
+    show_mfu: bool = False,
+    unit: str = "tok",
+    **extra,
+) -> str:
     parts = [f"step {step}/{total}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
@@ -79,10 +92,19 @@ def format_step(step: int, total: int, *, loss: float | None = None, lr: float |
 class StepLogger:
     """Prints the step line, appends it to log.txt and writes TensorBoard scalars (rank 0)."""
 
-    def __init__(self, out_dir: str, total_steps: int, *, tokens_per_step: int | None = None,
-                 flops_per_token: float | None = None, peak_flops_per_device: float | None = None,
-                 n_devices: int = 1, tensorboard: bool = True, progress: bool | None = None,
-                 unit: str = "tok"):
+    def __init__(
+        self,
+        out_dir: str,
+        total_steps: int,
+        *,
+        tokens_per_step: int | None = None,
+        flops_per_token: float | None = None,
+        peak_flops_per_device: float | None = None,
+        n_devices: int = 1,
+        tensorboard: bool = True,
+        progress: bool | None = None,
+        unit: str = "tok",
+    ):
         self.enabled = get_rank() == 0
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
@@ -106,22 +128,42 @@ class StepLogger:
 
             self.bar = tqdm(total=total_steps, leave=False, dynamic_ncols=True)
 
-    def log(self, step: int, *, loss=None, lr=None, grad_norm=None, dt_s=None, print_line=True,
-            **extra) -> str:
+    def log(
+        self, step: int, *, loss=None, lr=None, grad_norm=None, dt_s=None, print_line=True, **extra
+    ) -> str:
         tok_s = self.tokens_per_step / dt_s if (self.tokens_per_step and dt_s) else None
-        mfu_value = mfu(self.flops_per_token, tok_s, self.peak, self.n_devices) if (
-            tok_s and self.flops_per_token) else None
-        line = format_step(step, self.total, loss=loss, lr=lr, grad_norm=grad_norm, dt_s=dt_s,
-                           tokens_per_s=tok_s, mfu_value=mfu_value,
-                           show_mfu=self.flops_per_token is not None, unit=self.unit, **extra)
+        mfu_value = (
+            mfu(self.flops_per_token, tok_s, self.peak, self.n_devices)
+            if (tok_s and self.flops_per_token)
+            else None
+        )
+        line = format_step(
+            step,
+            self.total,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            dt_s=dt_s,
+            tokens_per_s=tok_s,
+            mfu_value=mfu_value,
+            show_mfu=self.flops_per_token is not None,
+            unit=self.unit,
+            **extra,
+        )
         if not self.enabled:
             return line
         if self.bar is not None:
             self.bar.update(1)
         self._emit(line, print_line)
-        scalars = {"loss/train": loss, "opt/lr": lr, "opt/grad_norm": grad_norm,
-                   "perf/step_ms": dt_s and dt_s * 1000, f"perf/{self.unit}_per_s": tok_s,
-                   "perf/mfu": mfu_value, **{f"extra/{k}": v for k, v in extra.items()}}
+        scalars = {
+            "loss/train": loss,
+            "opt/lr": lr,
+            "opt/grad_norm": grad_norm,
+            "perf/step_ms": dt_s and dt_s * 1000,
+            f"perf/{self.unit}_per_s": tok_s,
+            "perf/mfu": mfu_value,
+            **{f"extra/{k}": v for k, v in extra.items()},
+        }
         self.scalars(step, {k: v for k, v in scalars.items() if isinstance(v, (int, float))})
         return line
 

@@ -1,4 +1,4 @@
-"""The small GPT every later day parallelizes: nanoGPT's shape, a seed-only init, swappable attention.
+"""The small GPT every later day parallelizes: nanoGPT's shape, seed-only init, swappable attention.
 
 Module names follow nanoGPT / GPT-2 so readers can map them onto checkpoints and papers:
 `wte`, `wpe`, `blocks[i].ln_1`, `blocks[i].attn.c_attn` (fused QKV), `blocks[i].attn.c_proj`,
@@ -160,7 +160,9 @@ class GPT(nn.Module):
         """(B, T) token ids -> (B, T, C) hidden states."""
         T = idx.size(1)
         if pos_offset + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {pos_offset + T} exceeds block_size {self.cfg.block_size}")
+            raise ValueError(
+                f"sequence of {pos_offset + T} exceeds block_size {self.cfg.block_size}"
+            )
         pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
@@ -180,6 +182,7 @@ class GPT(nn.Module):
 
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------
 
+
 def num_params(cfg: GPTConfig, exclude_position_embedding: bool = False) -> int:
     """Parameter count of GPT(cfg), by formula. Tested against the built module (meta device)."""
     C, L, V, T, b = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size, int(cfg.bias)
@@ -190,7 +193,9 @@ def num_params(cfg: GPTConfig, exclude_position_embedding: bool = False) -> int:
     return total + (0 if exclude_position_embedding else T * C)
 
 
-def flops_per_token(cfg: GPTConfig, seq_len: int | None = None, causal_halved: bool = False) -> float:
+def flops_per_token(
+    cfg: GPTConfig, seq_len: int | None = None, causal_halved: bool = False
+) -> float:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM App. B; nanoGPT's estimate_mfu).
 
     N counts every weight that takes part in a matmul: all parameters but the position

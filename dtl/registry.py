@@ -48,8 +48,10 @@ def load(path: str = REGISTRY) -> list[Lesson]:
 
 
 def readme_table(lessons: list[Lesson]) -> str:
-    rows = ["| day | topic | CPU launch line | GPU launch line | what the run proves |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| day | topic | CPU launch line | GPU launch line | what the run proves |",
+        "|---|---|---|---|---|",
+    ]
     for lesson in lessons:
         for i, run in enumerate(lesson.runs):
             day = f"[{lesson.day}]({lesson.package}/README.md)" if i == 0 else ""
@@ -65,6 +67,7 @@ def render_readme(text: str, lessons: list[Lesson]) -> str:
 
 
 # --- running a launch line -------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -100,9 +103,17 @@ def execute(lesson: Lesson, run: Run, gpu: bool = False, extra_args: str = "") -
     line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
     start = time.monotonic()
     try:
-        proc = subprocess.run(line, shell=True, cwd=REPO_ROOT, env=run_env(), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=run.timeout_s, start_new_session=True)
+        proc = subprocess.run(
+            line,
+            shell=True,
+            cwd=REPO_ROOT,
+            env=run_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=run.timeout_s,
+            start_new_session=True,
+        )
         code, output = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

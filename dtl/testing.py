@@ -8,7 +8,7 @@
     results = run_distributed(_body, 2.0, world_size=4)   # [rank0's return, rank1's, ...]
 
 If any rank raises, the test fails at once with that rank's traceback, and the other ranks (which
-may be blocked in a collective waiting for the dead one) are killed instead of waiting for a timeout.
+may be blocked in a collective waiting for the dead one) are killed, not left to time out.
 """
 
 from __future__ import annotations
@@ -33,13 +33,22 @@ class RankFailed(AssertionError):
 
 
 def _worker(rank, world_size, store_path, fn, args, kwargs, results, timeout_s):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         out = fn(*args, **kwargs)
         # plain pickle, not torch's shared-memory handles: the rank may exit before we read it
         results.put((rank, "ok", pickle.dumps(out)))
@@ -55,8 +64,11 @@ def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kw
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, store_path, fn, args, kwargs, results, timeout_s))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, store_path, fn, args, kwargs, results, timeout_s),
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -81,12 +93,18 @@ def _collect(procs, results, world_size, timeout_s) -> dict:
         try:
             rank, status, payload = results.get(timeout=0.2)
         except queue.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs]
+            dead = [
+                i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs
+            ]
             if dead:
-                raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                raise RankFailed(
+                    f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                ) from None
             if time.monotonic() > deadline:
-                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(outputs))} "
-                                 f"did not finish in {timeout_s + 30:.0f} s") from None
+                raise RankFailed(
+                    f"ranks {sorted(set(range(world_size)) - set(outputs))} "
+                    f"did not finish in {timeout_s + 30:.0f} s"
+                ) from None
             continue
         if status == "error":
             raise RankFailed(f"rank {rank} failed:\n{payload}")

@@ -40,13 +40,19 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(result.output)
             if not result.ok:
                 tail = "\n".join(result.output.splitlines()[-15:])
-                print(textwrap.indent(f"FAILED (exit {result.returncode}, missing "
-                                      f"{result.missing})\n{tail}", "    "))
+                print(
+                    textwrap.indent(
+                        f"FAILED (exit {result.returncode}, missing {result.missing})\n{tail}",
+                        "    ",
+                    )
+                )
             results.append(result)
     print(table(results))
     failed = sum(not r.ok for r in results)
-    print(f"tour: {len(results) - failed} passed, {failed} failed in {time.monotonic() - start:.0f} s"
-          f" (logs in outputs/tour/)")
+    print(
+        f"tour: {len(results) - failed} passed, {failed} failed in {time.monotonic() - start:.0f} s"
+        f" (logs in outputs/tour/)"
+    )
     return 1 if failed else 0
 
 

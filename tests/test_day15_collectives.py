@@ -33,8 +33,9 @@ def test_every_collective_matches_its_closed_form_on_world_and_sub_groups(world_
         assert len(results) == 2 * len(collectives.CHECKS)
         for name, got, expected in results:
             # integer-valued fp64 data: every order of summation is exact, so demand equality
-            torch.testing.assert_close(got, expected, rtol=0, atol=0,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                got, expected, rtol=0, atol=0, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )
 
 
 def _sum_of_ranks_plus_one():
@@ -52,7 +53,8 @@ def test_the_closed_forms_can_fail():
 
 def test_all_reduce_equals_reduce_scatter_then_all_gather_is_among_the_checks():
     assert collectives.CHECKS["AR == RS + AG"] is (
-        collectives.check_all_reduce_is_reduce_scatter_plus_all_gather)
+        collectives.check_all_reduce_is_reduce_scatter_plus_all_gather
+    )
 
 
 # --- DDP against one process ---------------------------------------------------------------
@@ -99,7 +101,9 @@ def test_ddp_parameters_after_k_steps_equal_one_process_on_the_global_batches():
         torch.testing.assert_close(per_rank[0][name], ref, rtol=1e-10, atol=1e-10)
         assert torch.equal(per_rank[0][name], per_rank[1][name]), f"replicas differ in {name}"
     first = next(iter(reference))
-    assert not torch.equal(reference[first], ddp_mnist.build_model(seed=1).double().state_dict()[first])
+    assert not torch.equal(
+        reference[first], ddp_mnist.build_model(seed=1).double().state_dict()[first]
+    )
 
 
 # --- MNIST -----------------------------------------------------------------------------------
@@ -128,15 +132,22 @@ def test_mnist_idx_files_round_trip(tmp_path):
         assert np.array_equal(again[key].numpy(), mnist[key][:50].numpy())
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--epochs=two"], "config key 'epochs' expects int, got 'two'"),
-    (["--learning_rate=1"], "unknown config key 'learning_rate'"),
-    (["--mnist_path=/no/such/dir"], "mnist_path is not a folder: /no/such/dir"),
-    (["--config", "/no/such.toml"], "config file not found: /no/such.toml"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--epochs=two"], "config key 'epochs' expects int, got 'two'"),
+        (["--learning_rate=1"], "unknown config key 'learning_rate'"),
+        (["--mnist_path=/no/such/dir"], "mnist_path is not a folder: /no/such/dir"),
+        (["--config", "/no/such.toml"], "config file not found: /no/such.toml"),
+    ],
+)
 def test_ddp_mnist_bad_input_is_a_one_line_error_before_any_process_group(args, message):
-    proc = subprocess.run([sys.executable, "-m", "day15_collectives.ddp_mnist", *args],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "day15_collectives.ddp_mnist", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert message in proc.stderr

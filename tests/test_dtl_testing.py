@@ -1,4 +1,4 @@
-"""run_distributed itself: results come back per rank; a failing rank fails fast with its traceback."""
+"""run_distributed: results come back per rank; a failing rank fails fast with its traceback."""
 
 import time
 

@@ -1,0 +1,90 @@
+"""dtl.data: the offline GPT-2 tokenizer, the cached corpus, batches as a pure function of
+(seed, step, dp_rank, dp_size), Hugging Face datasets from a local path, clear errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dtl import data
+
+
+def test_gpt2_tokenizer_is_the_real_50257_token_bpe_offline():
+    tok = data.get_tokenizer("gpt2")
+    assert tok.vocab_size == 50257
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's published ids
+    text = "O Romeo, Romeo! wherefore art thou Romeo?"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = data.get_tokenizer("byte")
+    assert tok.vocab_size == 256 and tok.decode(tok.encode("naïve ✓")) == "naïve ✓"
+
+
+def test_corpus_is_real_shakespeare_and_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTL_CACHE", str(tmp_path))
+    corpus = data.load_corpus("shakespeare", tokenizer="gpt2")
+    assert corpus.vocab_size == 50257 and corpus.tokenizer_name == "gpt2"
+    assert 1_300_000 < len(corpus.train) < 1_500_000  # ~1.57M GPT-2 tokens, 10% held out
+    assert len(corpus.val) == int((len(corpus.train) + len(corpus.val)) * 0.1)
+    cached = [f for f in os.listdir(tmp_path) if f.endswith(".npy")]
+    assert len(cached) == 1
+    again = data.load_corpus("shakespeare", tokenizer="gpt2")  # read back from the cache
+    assert np.array_equal(again.train, corpus.train)
+    text = data.get_tokenizer("gpt2").decode(corpus.train[:2000])
+    assert "HAMLET" in data.load_text()[:3_000_000] and len(text) > 1000
+
+
+def test_batches_are_a_pure_function_of_seed_step_and_dp_coordinates():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    x1, y1 = data.get_batch(tokens, 16, 4, seed=3, step=5)
+    x2, y2 = data.get_batch(tokens, 16, 4, seed=3, step=5)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(y1[:, :-1], x1[:, 1:])  # targets are inputs shifted by one token
+    assert not torch.equal(x1, data.get_batch(tokens, 16, 4, seed=3, step=6)[0])
+    assert not torch.equal(x1, data.get_batch(tokens, 16, 4, seed=4, step=5)[0])
+    assert x1.dtype == torch.int64 and x1.shape == (4, 16)
+
+
+def test_dp_ranks_together_see_exactly_the_single_process_batch():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    whole, _ = data.get_batch(tokens, 8, 12, seed=0, step=2, dp_rank=0, dp_size=1)
+    for dp_size in (2, 3, 4):
+        parts = [
+            data.get_batch(tokens, 8, 12 // dp_size, seed=0, step=2, dp_rank=r, dp_size=dp_size)[0]
+            for r in range(dp_size)
+        ]
+        assert torch.equal(torch.cat(parts), whole)
+
+
+def test_hugging_face_dataset_from_a_local_file(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"line {i}"}) for i in range(3)))
+    assert data.load_text(str(path)) == "line 0\n\nline 1\n\nline 2"
+    with pytest.raises(data.DataError, match="has no column 'body'"):
+        data.load_text(str(path), text_field="body")
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("/no/such/dir", "dataset path not found: /no/such/dir"),
+        ("./missing.txt", "text file not found: ./missing.txt"),
+    ],
+)
+def test_missing_data_paths_are_one_line_errors(source, message):
+    with pytest.raises(data.DataError, match=message) as err:
+        data.load_text(source)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_mnist_folder_and_unknown_tokenizer_are_one_line_errors(tmp_path):
+    with pytest.raises(data.DataError, match="MNIST folder not found"):
+        data.load_mnist("/no/such/mnist")
+    with pytest.raises(data.DataError, match="MNIST file train-images-idx3-ubyte"):
+        data.load_mnist(str(tmp_path))
+    with pytest.raises(data.DataError, match="unknown tokenizer 'bpe'"):
+        data.get_tokenizer("bpe")

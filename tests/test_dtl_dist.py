@@ -1,0 +1,97 @@
+"""dtl.dist: the grid's rank order (Megatron's, TP innermost), its groups, a plain-process init."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtl.dist import ParallelGrid, choose_backend
+from dtl.testing import run_distributed
+
+
+def test_grid_puts_tp_innermost_then_cp_pp_dp_like_megatron():
+    grid = ParallelGrid(dp=2, pp=2, cp=1, tp=2, world_size=8, rank=5)
+    assert grid.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.group_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.group_ranks("cp") == [[r] for r in range(8)]
+    assert (grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank) == (1, 0, 0, 1)
+    assert grid.ranks_along("pp") == [5, 7] and grid.tp_size == 2
+    assert str(grid) == "TP(2)-CP(1)-PP(2)-DP(2) rank 5: dp=1, pp=0, cp=0, tp=1"
+
+
+def test_grid_coordinates_are_a_bijection_for_every_rank():
+    seen = set()
+    for rank in range(24):
+        g = ParallelGrid(dp=2, pp=3, cp=2, tp=2, world_size=24, rank=rank)
+        coords = (g.dp_rank, g.pp_rank, g.cp_rank, g.tp_rank)
+        assert g.ranks[coords].item() == rank
+        seen.add(coords)
+    assert len(seen) == 24
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(dp=2, tp=3), r"dp\*pp\*cp\*tp = 2\*1\*1\*3 = 6 does not match world size 4"),
+        (dict(dp=0, tp=4), "dp must be a positive integer, got 0"),
+        (dict(dp=2, tp=2.0), "tp must be a positive integer, got 2.0"),
+    ],
+)
+def test_grid_that_does_not_fit_the_world_is_a_one_line_error(sizes, message):
+    with pytest.raises(ValueError, match=message) as err:
+        ParallelGrid(**sizes, world_size=4, rank=0)
+    assert "\n" not in str(err.value)
+
+
+def _sum_over_each_axis():
+    grid = ParallelGrid(dp=2, tp=2)  # 4 ranks: tp groups [0,1] [2,3]; dp groups [0,2] [1,3]
+    out = {}
+    for axis in ("tp", "dp"):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t, group=grid.groups[axis])
+        out[axis] = t.item()
+    return out
+
+
+def test_grid_groups_reduce_over_exactly_their_ranks():
+    results = run_distributed(_sum_over_each_axis, world_size=4)
+    assert [r["tp"] for r in results] == [1.0, 1.0, 5.0, 5.0]  # 0+1, 0+1, 2+3, 2+3
+    assert [r["dp"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # 0+2, 1+3, ...
+
+
+def test_init_works_as_a_plain_one_process_run():
+    code = (
+        "from dtl import dist as d; import torch, torch.distributed as td; i = d.init(); "
+        "t = torch.ones(2); td.all_reduce(t); "
+        "print(i.rank, i.world_size, i.backend, i.device, t.tolist()); d.cleanup()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0 1 gloo cpu [1.0, 1.0]"
+
+
+def test_backend_is_gloo_without_gpus_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv("DTL_BACKEND", raising=False)
+    if not torch.cuda.is_available():
+        assert choose_backend(local_world_size=2) == "gloo"
+    monkeypatch.setenv("DTL_BACKEND", "mpi")
+    assert choose_backend(local_world_size=2) == "mpi"
+
+
+@pytest.mark.skipif(os.environ.get("DTL_SOAK") != "1", reason="soak test: set DTL_SOAK=1 (~90 s)")
+def test_cleanup_means_no_abort_at_exit_in_30_consecutive_2_rank_ddp_runs():
+    worker = os.path.join(os.path.dirname(__file__), "ddp_exit_worker.py")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    for attempt in range(30):
+        proc = subprocess.run(
+            [torchrun, "--standalone", "--nproc_per_node=2", worker],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, f"run {attempt}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+        assert "terminate called" not in proc.stderr, f"run {attempt} aborted at exit"

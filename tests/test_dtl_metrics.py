@@ -1,0 +1,58 @@
+"""dtl.metrics: the stable step line, TensorBoard event files, MFU arithmetic and peaks."""
+
+import glob
+
+import pytest
+
+from dtl import metrics
+
+
+def test_step_line_has_the_stable_format():
+    line = metrics.format_step(
+        12,
+        100,
+        loss=3.21449,
+        lr=6e-4,
+        grad_norm=0.912,
+        dt_s=0.120,
+        tokens_per_s=8533.3,
+        mfu_value=0.412,
+    )
+    assert line == (
+        "step 12/100 | loss 3.2145 | lr 6.0e-04 | grad_norm 0.91 | 120 ms | 8,533 tok/s | mfu 41.2%"
+    )
+    assert metrics.format_step(1, 2, loss=1.0, show_mfu=True) == "step 1/2 | loss 1.0000 | mfu n/a"
+
+
+def test_mfu_is_model_flops_over_peak_times_devices():
+    # 6 * 124M params * 100k tok/s = 74.4 TFLOP/s achieved on 1 of 312: 23.8%
+    assert metrics.mfu(6 * 124e6, 100_000, 312e12) == pytest.approx(0.2385, abs=1e-4)
+    assert metrics.mfu(6 * 124e6, 800_000, 312e12, n_devices=8) == pytest.approx(0.2385, abs=1e-4)
+    assert metrics.mfu(1e9, 1e3, None) is None
+
+
+def test_peak_is_unknown_on_cpu_unless_given(monkeypatch):
+    monkeypatch.delenv("DTL_PEAK_TFLOPS", raising=False)
+    assert metrics.peak_flops("cpu") is None
+    monkeypatch.setenv("DTL_PEAK_TFLOPS", "989")
+    assert metrics.peak_flops("cpu") == 989e12
+
+
+def test_step_logger_writes_log_txt_and_tensorboard_scalars(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = metrics.StepLogger(
+        str(tmp_path), 3, tokens_per_step=1000, flops_per_token=6e6, peak_flops_per_device=1e12
+    )
+    for step in (1, 2, 3):
+        log.log(step, loss=4.0 - step, dt_s=0.5)
+    log.close()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == "step 3/3 | loss 1.0000 | 500 ms | 2,000 tok/s | mfu 1.2%"
+    assert (tmp_path / "log.txt").read_text().splitlines() == printed
+    events = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss/train")] == [3.0, 2.0, 1.0]
+    assert acc.Scalars("perf/mfu")[0].value == pytest.approx(0.012)

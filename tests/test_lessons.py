@@ -1,0 +1,58 @@
+"""Every CPU launch line in lessons.toml runs, exits 0 and prints its summary lines.
+
+This is what keeps the README honest: a documented launch line is a tested launch line.
+"""
+
+import importlib.util
+import re
+import shlex
+
+import pytest
+
+from dtl import registry, tour
+
+LESSONS = registry.load()
+RUNS = [(lesson, run) for lesson in LESSONS for run in lesson.runs]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("lesson, run", RUNS, ids=[f"day{x.day}-{r.name}" for x, r in RUNS])
+def test_cpu_launch_line_runs_and_prints_its_summary(lesson, run):
+    result = registry.execute(lesson, run)
+    tail = "\n".join(result.output.splitlines()[-25:])
+    assert result.returncode == 0, f"`{run.cpu}` exited {result.returncode}:\n{tail}"
+    assert not result.missing, f"`{run.cpu}` did not print {result.missing}:\n{tail}"
+    assert result.summary_lines(), "a lesson run must print at least one `summary:` line"
+
+
+def test_readme_lesson_table_is_generated_from_the_registry():
+    with open(registry.README) as f:
+        text = f.read()
+    assert registry.TABLE_BEGIN in text and registry.TABLE_END in text
+    assert registry.render_readme(text, LESSONS) == text, "run `make readme` to regenerate it"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[f"day{x.day}" for x in LESSONS])
+def test_every_lesson_has_notes_and_launch_lines_that_name_real_modules(lesson):
+    assert importlib.util.find_spec(lesson.package) is not None
+    spec = importlib.util.find_spec(lesson.package)
+    notes = spec.submodule_search_locations[0] + "/README.md"
+    with open(notes) as f:
+        assert len(f.read()) > 2000, f"{notes} is too short to be the day's notes"
+    for run in lesson.runs:
+        for line in (run.cpu, run.gpu):
+            words = shlex.split(line)
+            assert words[0] == "torchrun" and "--standalone" in words
+            module = words[words.index("-m") + 1]
+            assert importlib.util.find_spec(module) is not None, module
+        for pattern in run.expect:
+            re.compile(pattern)
+
+
+def test_tour_table_shows_summary_pass_and_fail():
+    lesson, run = RUNS[0]
+    ok = registry.Result(lesson, run, 0, 3.2, "noise\nsummary: 5/5 checks passed\n", [])
+    bad = registry.Result(lesson, run, 1, 9.0, "Traceback ...\n", [])
+    text = tour.table([ok, bad])
+    assert "5/5 checks passed" in text and "PASS" in text
+    assert "(no summary line)" in text and "FAIL" in text
