@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(results: list[registry.Result]) -> str:
-    rows = [f"{'day':<4} {'run':<14} {'what the run showed':<78} {'wall':>6}  result"]
+    rows = [f"{'day':<4} {'run':<14} {'what the run showed':<96} {'wall':>6}  result"]
     for r in results:
         shown = r.summary_lines() or ["(no summary line)"]
         for i, line in enumerate(shown):
-            text = line.removeprefix("summary:").strip()[:78]
+            text = line.removeprefix("summary:").strip()[:96]
             head = f"{r.lesson.day:<4} {r.run.name:<14}" if i == 0 else " " * 19
             tail = f"{r.seconds:>5.0f}s  {'PASS' if r.ok else 'FAIL'}" if i == 0 else ""
-            rows.append(f"{head} {text:<78} {tail}")
+            rows.append(f"{head} {text:<96} {tail}")
     return "\n".join(rows)
 
 
