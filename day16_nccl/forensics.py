@@ -1,0 +1,145 @@
+"""Run all-reduces with NCCL's debug log on, then read back from the log what NCCL did.
+
+GPUs (NCCL), one process per GPU:
+    torchrun --standalone --nproc_per_node=gpu -m day16_nccl.forensics
+    NCCL_ALGO=Tree NCCL_PROTO=Simple torchrun --standalone --nproc_per_node=gpu \
+        -m day16_nccl.forensics                    # then check the report says TREE / SIMPLE
+CPU: NCCL needs GPUs, so the same all-reduces run on gloo, and the report is shown for a bundled
+log fixture (hand-written in NCCL's line formats, labelled as such):
+    torchrun --standalone --nproc_per_node=2 -m day16_nccl.forensics
+
+The environment this script sets before the first NCCL call (yours win if already set):
+    NCCL_DEBUG=INFO  NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING,COLL
+    NCCL_DEBUG_FILE=<out_dir>/nccl.%h.%p.log   (%h = host, %p = pid: one file per process)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from day16_nccl import nccl_log
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "nccl_logs")
+
+
+@dataclass
+class Config:
+    sizes: str = "4096,1048576,67108864"  # bytes per all-reduce: small (LL) to large (Simple)
+    fixture: str = "multinode.log"  # the log shown on machines without GPUs (in nccl_logs/)
+    out_dir: str = "outputs/day16_nccl/forensics"
+
+    def validate(self) -> None:
+        try:
+            sizes = [int(s) for s in self.sizes.split(",")]
+        except ValueError:
+            raise dtl_config.ConfigError(f"sizes must be integers, got '{self.sizes}'") from None
+        if not sizes or min(sizes) < 4:
+            raise dtl_config.ConfigError(f"sizes must be >= 4 bytes (one float), got {sizes}")
+        if not os.path.isfile(os.path.join(FIXTURES, self.fixture)):
+            raise dtl_config.ConfigError(
+                f"fixture '{self.fixture}' not in {FIXTURES}: {sorted(os.listdir(FIXTURES))}"
+            )
+
+    def byte_sizes(self) -> list[int]:
+        return [int(s) for s in self.sizes.split(",")]
+
+
+def nccl_env(out_dir: str) -> dict[str, str]:
+    """The debug knobs, set before init: NCCL reads them once, at its first call in the process."""
+    env = {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,GRAPH,TUNING,COLL",
+        "NCCL_DEBUG_FILE": os.path.abspath(os.path.join(out_dir, "nccl.%h.%p.log")),
+    }
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return {k: os.environ[k] for k in env}
+
+
+def run_all_reduces(sizes: list[int], device) -> bool:
+    """all_reduce of (rank + 1) at each size: every element must equal n(n+1)/2."""
+    n, ok = dist.get_world_size(), True
+    for nbytes in sizes:
+        x = torch.full((nbytes // 4,), float(dist.get_rank() + 1), device=device)
+        dist.all_reduce(x)
+        ok &= bool((x == n * (n + 1) / 2).all())
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the log lines of these calls are written by now
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def report_lines(rep: nccl_log.Report) -> str:
+    """The one-line digest the summary prints."""
+    calls = [c for c in rep.calls if c["algo"]]
+    chosen = "; ".join(
+        f"{c['nbytes']} B -> {c['algo']}/{c['proto']}"
+        for c in calls
+        if c["rank"] in (None, min(x["rank"] or 0 for x in calls))
+    )
+    hosts = len({r.get("host") for r in rep.ranks.values()})
+    return (
+        f"NCCL {rep.version}, {len(rep.ranks)} ranks on {hosts} host(s), transports "
+        f"{nccl_log.summarize_transports(rep)}, {rep.n_channels} channels, "
+        f"all-reduce {chosen or 'algorithm not stated'}"
+    )
+
+
+def main() -> None:
+    cfg = dtl_config.parse(Config)  # bad input exits here, before any collective
+    gpus = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    use_nccl = gpus >= local and gpus > 0
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    env = nccl_env(cfg.out_dir) if use_nccl else {}
+    info = dtl_dist.init(backend="nccl" if use_nccl else "gloo")
+    dtl_config.save(cfg, cfg.out_dir)
+    if not use_nccl:
+        dtl_dist.print0(
+            f"NCCL needs GPUs (found {gpus} CUDA device(s) for {local} local ranks): "
+            f"running the same all-reduces on gloo, which has no such log"
+        )
+    else:
+        dtl_dist.print0("NCCL debug environment: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    ok = run_all_reduces(cfg.byte_sizes(), info.device)
+    dtl_dist.print0(
+        f"all_reduce at {cfg.byte_sizes()} bytes on {info.world_size} ranks "
+        f"({info.backend}): {'correct' if ok else 'WRONG'}"
+    )
+    dist.barrier()
+    if info.is_main:
+        if use_nccl:
+            paths = sorted(glob.glob(os.path.join(cfg.out_dir, "nccl.*.log")))
+            source = f"this run's NCCL log ({len(paths)} files in {cfg.out_dir})"
+        else:
+            paths = [os.path.join(FIXTURES, cfg.fixture)]
+            source = (
+                f"fixture {cfg.fixture}: hand-written in NCCL's line formats, "
+                f"NOT captured from this machine"
+            )
+        rep = nccl_log.parse_files(paths)
+        print(f"--- report from {source}\n{nccl_log.format_report(rep)}", flush=True)
+        print(
+            f"summary: forensics {'nccl' if use_nccl else 'gloo (NCCL needs GPUs)'} path on "
+            f"{info.world_size} ranks, all_reduce {'ok' if ok else 'WRONG'}",
+            flush=True,
+        )
+        print(
+            f"summary: forensics report ({'log' if use_nccl else 'fixture'}): {report_lines(rep)}",
+            flush=True,
+        )
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""What the benchmark prints and writes: the nccl-tests-style table, the busbw table, CSV, PNGs,
+the ring / built-in ratio, and the alpha-beta fit with its prediction errors (rank 0 only)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+
+import torch
+
+from day16_nccl import cost_model
+from dtl import dist as dtl_dist
+
+HEADER = (
+    f"{'op':<20}{'size (B)':>12}{'count':>11}{'type':>9}{'time (us)':>12}"
+    f"{'algbw GB/s':>12}{'busbw GB/s':>12}{'#wrong':>8}"
+)
+MODEL_ALGOS = {"ring_all_reduce": "ring", "tree_all_reduce": "tree", "dbt_all_reduce": "dbt"}
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"{r['op']:<20}{r['nbytes']:>12}{r['count']:>11}{r['dtype']:>9}{r['time_us']:>12.1f}"
+        f"{r['algbw']:>12.3f}{r['busbw']:>12.3f}{r['wrong']:>8}"
+    )
+
+
+def print_env(info) -> None:
+    nccl = {k: os.environ.get(k, "") for k in ("NCCL_ALGO", "NCCL_PROTO") if os.environ.get(k)}
+    dtl_dist.print0(
+        f"world: {info.world_size} ranks, backend {info.backend}, torch "
+        f"{torch.__version__}" + (f", {nccl}" if nccl else "")
+    )
+    if nccl and info.backend != "nccl":
+        dtl_dist.print0("note: NCCL_ALGO / NCCL_PROTO only steer NCCL; gloo ignores them")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
+
+
+def busbw_table(rows: list[dict]) -> str:
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    sizes = sorted({r["nbytes"] for r in rows if r["op"] == ops[0]}) if ops else []
+    by = {(r["op"], r["nbytes"]): r["busbw"] for r in rows}
+    lines = ["busbw (GB/s)".ljust(20) + "".join(f"{_mib(s):>10}" for s in sizes)]
+    for op in ops:
+        lines.append(
+            f"{op:<20}"
+            + "".join(f"{by[(op, s)]:>10.3f}" if (op, s) in by else f"{'-':>10}" for s in sizes)
+        )
+    return "\n".join(lines)
+
+
+def ring_ratio(rows: list[dict]) -> dict[int, float]:
+    """Hand-written ring busbw / built-in all_reduce busbw, at 16 and 64 MiB when measured."""
+    by = {(r["op"], r["nbytes"]): r["busbw"] for r in rows}
+    return {
+        s: by[("ring_all_reduce", s)] / by[("all_reduce", s)]
+        for s in (16 * 2**20, 64 * 2**20)
+        if ("ring_all_reduce", s) in by and ("all_reduce", s) in by
+    }
+
+
+def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], dict | None]:
+    """Fit alpha and beta on the hand-written all-reduces' median times (ring, tree and dbt
+    together: two numbers for three algorithms); print each prediction beside its measurement."""
+    pts = [
+        dict(algo=MODEL_ALGOS[r["op"]], nbytes=r["nbytes"], n=r["n"], time_s=r["time_us"] / 1e6)
+        for r in rows
+        if r["op"] in MODEL_ALGOS and r["dtype"] == "float32"
+    ]
+    if len({p["nbytes"] for p in pts}) < 2 or not pts or pts[0]["n"] < 2:
+        return [
+            "cost model: needs >= 2 sizes of the hand-written all-reduces in float32 on >= 2 ranks"
+        ], None
+    chunk, n = cfg.chunk_kib * 1024, pts[0]["n"]
+    alpha, beta = cost_model.fit(pts, 4, chunk, cores)
+    view = (
+        "links (B = busiest sender)"
+        if cores is None
+        else (f"{cores} CPU cores (B = max(busiest rank's sent+received, everyone's / {cores}))")
+    )
+    lines = [
+        f"cost model t = steps * alpha + B / beta, per round: {view}",
+        f"fitted on {len(pts)} median times: alpha = {alpha * 1e6:.1f} us, "
+        f"beta = {beta / 1e9:.3f} GB/s",
+        f"{'algo':<6}{'size':>9}{'steps':>7}{'B/S':>7}{'measured us':>13}{'model us':>10}"
+        f"{'error':>7}  closed form",
+    ]
+    errors: dict[str, list[float]] = {}
+    for p in sorted(pts, key=lambda p: (p["algo"], p["nbytes"])):
+        steps, b = cost_model.critical_bytes(p["algo"], p["nbytes"] // 4, n, 4, chunk, cores)
+        pred = steps * alpha + b / beta
+        err = (pred - p["time_s"]) / p["time_s"]
+        lines.append(
+            f"{p['algo']:<6}{_mib(p['nbytes']):>9}{steps:>7}{b / p['nbytes']:>7.2f}"
+            f"{p['time_s'] * 1e6:>13.0f}{pred * 1e6:>10.0f}{err:>+7.0%}  "
+            + _closed_form(p["algo"], alpha, beta, p["nbytes"], n, chunk, cores)
+        )
+        if p["nbytes"] >= cfg.fit_min_bytes:
+            errors.setdefault(p["algo"], []).append(abs(err))
+    for algo in ("tree", "dbt"):
+        for m in sorted({n, 8, 64, 512}):
+            x = cost_model.crossover_bytes(alpha, beta, m, algo, chunk, cores)
+            lines.append(
+                f"model: {algo} beats ring at n = {m} for S <= "
+                f"{_mib(x) if x else 'never (1 KiB .. 16 GiB)'}"
+            )
+    path = os.path.join(cfg.out_dir, "cost_model.png")
+    cost_model.plot(pts, alpha, beta, path, chunk, cores)
+    lines.append(f"wrote {path}")
+    return lines, dict(alpha=alpha, beta=beta, n=n, errors=errors)
+
+
+def _closed_form(
+    algo: str, alpha: float, beta: float, nbytes: int, n: int, chunk: int, cores: int | None
+) -> str:
+    if algo == "ring":
+        f = 1 if cores is None else max(2, 2 * n / cores)
+        t = 2 * (n - 1) * (alpha + f * nbytes / (n * beta))
+        return f"2(n-1)(a + {f:g} S/(n b)) = {t * 1e6:.0f} us"
+    k, d = cost_model.pipeline_shape(algo, nbytes, n, chunk)
+    k_opt = cost_model.best_chunks(alpha, beta, algo, nbytes, n, cores)
+    return f"k + 2D - 1 = {k} + 2*{d} - 1 rounds; best k = {k_opt}"
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_busbw(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = [(r["nbytes"], r["busbw"]) for r in rows if r["op"] == op]
+        ax.plot(*zip(*pts), "o-" if op in ("all_reduce", "ring_all_reduce") else ".--", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"busbw on {rows[0]['n']} ranks ({rows[0]['dtype']})")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(cfg, rows: list[dict], final: bool, cores: int | None = None) -> None:
+    """Tables, files and the `summary:` lines (rank 0)."""
+    if dtl_dist.get_rank() != 0 or not rows:
+        return
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if not final:  # Ctrl-C: the table so far and the CSV, nothing else
+        print(HEADER + "\n" + "\n".join(format_row(r) for r in rows), flush=True)
+        write_csv(rows, os.path.join(cfg.out_dir, "bench_partial.csv"))
+        print(f"wrote {os.path.join(cfg.out_dir, 'bench_partial.csv')}", flush=True)
+        return
+    write_csv(rows, os.path.join(cfg.out_dir, "bench.csv"))
+    plot_busbw(rows, os.path.join(cfg.out_dir, "busbw.png"))
+    print("\n" + busbw_table(rows), flush=True)
+    model_lines, model = model_report(rows, cfg, cores)
+    print("\n".join(model_lines), flush=True)
+    n, wrong = rows[0]["n"], sum(r["wrong"] for r in rows)
+    print(
+        f"summary: bench {len(rows)} rows on {n} ranks, {wrong} wrong elements "
+        f"(every size checked against its closed form)",
+        flush=True,
+    )
+    for s, ratio in ring_ratio(rows).items():
+        print(
+            f"summary: ring_all_reduce / built-in all_reduce busbw at {_mib(s)} = {ratio:.2f}",
+            flush=True,
+        )
+    if model:
+        errs = ", ".join(f"{a} {max(e):.0%}" for a, e in model["errors"].items())
+        med = {a: statistics.median(e) for a, e in model["errors"].items()}
+        print(
+            f"summary: cost model alpha = {model['alpha'] * 1e6:.1f} us, beta = "
+            f"{model['beta'] / 1e9:.3f} GB/s; max |error| from {_mib(cfg.fit_min_bytes)} on "
+            f"{n} ranks: {errs or 'no sizes'} (median "
+            + ", ".join(f"{a} {m:.0%}" for a, m in med.items())
+            + ")",
+            flush=True,
+        )
+    print(f"wrote {cfg.out_dir}/bench.csv, busbw.png", flush=True)

@@ -1,0 +1,1 @@
+"""Day 17: DataParallel vs DDP; gradient sync by hand (naive, overlapped, bucketed), no_sync."""

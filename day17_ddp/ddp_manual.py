@@ -1,0 +1,307 @@
+"""Day 17: what DDP does between loss.backward() and optimizer.step(), written by hand.
+
+Three gradient-sync strategies for any module (the shared GPT included), each a drop-in wrapper
+used exactly like torch's DDP: `loss = model(x, y)[1]; loss.backward(); opt.step()`.
+
+    naive    after backward, one blocking all-reduce per gradient: nothing overlaps
+    overlap  a hook on every parameter launches an async all-reduce the moment its grad is ready
+    bucket   hooks copy grads into flat buckets (reverse parameter order, a small first bucket,
+             a size cap); a full bucket launches one async all-reduce; the buckets are rebuilt
+             after the first iteration in the order the gradients actually became ready
+
+Every strategy computes g = (1/n) sum_r g_r: the gradient of the mean loss over the global batch,
+what one process computes on the n local batches concatenated. Names in the comments point at
+torch's C++ Reducer (torch/csrc/distributed/c10d/reducer.cpp), which these classes imitate.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+SYNC_MODES = ("naive", "overlap", "bucket", "ddp")
+MiB = 1024 * 1024
+
+
+class SyncError(ValueError):
+    """Bad sync configuration; a one-line message, raised before any collective."""
+
+
+def check_sync_args(sync: str, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+    if sync not in SYNC_MODES:
+        raise SyncError(f"unknown sync mode '{sync}'; choose one of {', '.join(SYNC_MODES)}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise SyncError(f"{name} must be a number of MiB > 0, got {value!r}")
+
+
+def assign_buckets(
+    nbytes: list[int], order: list[int], first_cap: int, cap: int
+) -> list[list[int]]:
+    """Group parameter indices, taken in `order`, into buckets (compute_bucket_assignment_by_size).
+
+    A bucket closes as soon as its size reaches its limit (>=, so one large tensor may exceed
+    it); the first bucket's limit is `first_cap`, every later one `cap`.
+    """
+    buckets, current, size, limit = [], [], 0, first_cap
+    for i in order:
+        current.append(i)
+        size += nbytes[i]
+        if size >= limit:
+            buckets.append(current)
+            current, size, limit = [], 0, cap
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class CommStats:
+    """One backward's all-reduces as [t_launch, t_done, bytes], compute end, time blocked."""
+
+    def __init__(self):
+        self.events: list[list] = []
+        self.compute_end = 0.0  # time.perf_counter() when the last gradient was ready
+        self.blocked_s = 0.0  # time the training thread waited on communication after that
+
+    def stamp(self, nbytes: int) -> list:
+        event = [time.perf_counter(), None, nbytes]
+        self.events.append(event)
+        return event
+
+
+class _GradSync(nn.Module):
+    """The part all three strategies share: broadcast at start, hooks, no_sync, end-of-backward."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        # parameters() de-duplicates: the GPT's tied wte/lm_head weight is one tensor, one grad
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.require_backward_grad_sync = True  # the flag DDP's no_sync() flips
+        self._armed = False  # "expect_autograd_hooks_": this backward must sync
+        self._queued = False
+        self._ready = set()
+        self.stats = CommStats()
+        self._broadcast_from_rank0()
+        for i, p in enumerate(self.params):
+            # fires after p.grad has been accumulated: the post-hook DDP puts on AccumulateGrad
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        # DDP's _sync_module_states: every replica starts from rank 0's parameters and buffers
+        src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(t, src=src, group=self.group)
+
+    def forward(self, *args, **kwargs):
+        # DDP decides in *forward* whether the next backward syncs (Reducer::prepare_for_backward).
+        # Flipping require_backward_grad_sync after forward changes nothing for that backward.
+        self._armed = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._armed:
+            self.prepare_for_backward()
+        return self.module(*args, **kwargs)
+
+    def prepare_for_backward(self) -> None:
+        self.stats = CommStats()
+        self._ready.clear()
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation: forward+backward inside the block keep their grads local."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self._armed:  # no_sync: the grad just accumulates in p.grad
+                return
+            if not self._queued:  # run _finalize once the whole backward graph is done
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            self._ready.add(i)
+            self.grad_ready(i, p)
+
+        return hook
+
+    def _finalize(self) -> None:
+        # Reducer::finalize_backward: runs after the last AccumulateGrad, before backward returns
+        self.stats.compute_end = time.perf_counter()
+        missing = [i for i in range(len(self.params)) if i not in self._ready]
+        if missing:
+            raise RuntimeError(
+                f"parameters {missing} got no gradient in this backward; the "
+                "hand-written sync needs every parameter used in the loss"
+            )
+        self.reduce_and_wait()
+        self.stats.blocked_s = time.perf_counter() - self.stats.compute_end
+        self._armed = self._queued = False
+
+    def _all_reduce_async(self, flat: torch.Tensor):
+        """Launch a SUM all-reduce of `flat` in place; the returned future also stamps its end."""
+        event = self.stats.stamp(flat.numel() * flat.element_size())
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def done(fut):
+            event[1] = time.perf_counter()  # runs on gloo's worker thread when the work completes
+            return fut.value()
+
+        return work.get_future().then(done)
+
+    # the strategy-specific part
+    def grad_ready(self, i: int, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reduce_and_wait(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDDP(_GradSync):
+    """All-reduce every gradient after backward: simple, correct, and nothing overlaps."""
+
+    def grad_ready(self, i, p):
+        pass  # only arms _finalize; all the communication happens after backward
+
+    def reduce_and_wait(self):
+        for p in self.params:  # one blocking collective per tensor: 28 for the tiny GPT
+            event = self.stats.stamp(p.grad.numel() * p.grad.element_size())
+            p.grad.div_(self.world_size)  # pre-divide: SUM of g_r / n = mean
+            dist.all_reduce(p.grad, group=self.group)
+            event[1] = time.perf_counter()
+
+
+class OverlapDDP(_GradSync):
+    """One async all-reduce per parameter, launched by its hook while backward goes on."""
+
+    def prepare_for_backward(self):
+        super().prepare_for_backward()
+        self._futures = []
+
+    def grad_ready(self, i, p):
+        # p.grad is final for this backward: AccumulateGrad ran and nothing writes it again
+        p.grad.div_(self.world_size)
+        self._futures.append(self._all_reduce_async(p.grad))
+
+    def reduce_and_wait(self):
+        for fut in self._futures:
+            fut.wait()
+
+
+class BucketDDP(_GradSync):
+    """Flat buckets, one async all-reduce per bucket, launched strictly in bucket order."""
+
+    def __init__(self, module, group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, rebuild=True):
+        check_sync_args("bucket", bucket_cap_mb, first_bucket_mb)  # before the broadcast
+        super().__init__(module, group)
+        self.cap, self.first_cap = int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB)
+        self.rebuild, self.rebuilt = rebuild, False
+        self.nbytes = [p.numel() * p.element_size() for p in self.params]
+        # first guess of the ready order: reverse registration (the output layer is used last)
+        self.ready_order: list[int] = []
+        self.build(list(reversed(range(len(self.params)))))
+
+    def build(self, order: list[int]) -> None:
+        """Reducer::initialize_buckets: one flat fp32 buffer per bucket, a view per parameter."""
+        self.layout = assign_buckets(self.nbytes, order, self.first_cap, self.cap)
+        self.buffers, self.views, self.locator = [], [], {}
+        for b, idx in enumerate(self.layout):
+            flat = torch.zeros(
+                sum(self.params[i].numel() for i in idx),
+                dtype=self.params[idx[0]].dtype,
+                device=self.params[idx[0]].device,
+            )
+            views, offset = [], 0
+            for j, i in enumerate(idx):  # (numel,) slice of the bucket, shaped like the param
+                n = self.params[i].numel()
+                views.append(flat[offset : offset + n].view_as(self.params[i]))
+                self.locator[i] = (b, j)
+                offset += n
+            self.buffers.append(flat)
+            self.views.append(views)
+
+    def prepare_for_backward(self):
+        super().prepare_for_backward()
+        if self.rebuild and not self.rebuilt and len(self.ready_order) == len(self.params):
+            self.rebuild_buckets()
+        self.pending = [len(idx) for idx in self.layout]
+        self.next_bucket, self._futures = 0, []
+
+    def rebuild_buckets(self) -> None:
+        # Reducer::rebuild_buckets + sync_bucket_indices: rank 0's observed order wins everywhere
+        order = torch.tensor(self.ready_order, dtype=torch.int64)
+        dist.broadcast(
+            order, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group
+        )
+        self.build(order.tolist())
+        self.rebuilt = True
+
+    def grad_ready(self, i, p):
+        if not self.rebuilt:
+            self.ready_order.append(i)  # Reducer::push_rebuilt_params
+        b, j = self.locator[i]
+        # copy into the bucket and divide by n in one pass (mark_variable_ready_dense)
+        torch.mul(p.grad, 1.0 / self.world_size, out=self.views[b][j])
+        self.pending[b] -= 1
+        # Reducer::mark_bucket_ready: launch buckets in index order only, so that every rank
+        # issues the same all-reduces in the same order even if its grads arrive differently
+        while self.next_bucket < len(self.layout) and self.pending[self.next_bucket] == 0:
+            self._futures.append(self._all_reduce_async(self.buffers[self.next_bucket]))
+            self.next_bucket += 1
+
+    def reduce_and_wait(self):
+        for fut in self._futures:  # the wait before the optimizer step
+            fut.wait()
+        for b, idx in enumerate(self.layout):  # Reducer::copy_bucket_to_grad
+            for j, i in enumerate(idx):
+                self.params[i].grad.copy_(self.views[b][j])
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, comparable with DDP's logging data 'rebuilt_bucket_sizes'."""
+        return [sum(self.nbytes[i] for i in idx) for idx in self.layout]
+
+
+def torch_ddp(module, group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, **ddp_kwargs):
+    """torch DDP with the same bucket limits as BucketDDP (torch 2.13 semantics).
+
+    DDP(bucket_cap_mb=X) sets the first bucket to X too; only the defaults give 1 MiB + 25 MiB.
+    Any other (first, cap) pair is passed as bucket_cap_mb_list=[first, cap].
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if (first_bucket_mb, bucket_cap_mb) == (1.0, 25.0):
+        caps = {}
+    elif first_bucket_mb == bucket_cap_mb:
+        caps = {"bucket_cap_mb": bucket_cap_mb}
+    else:
+        caps = {"bucket_cap_mb_list": [first_bucket_mb, bucket_cap_mb]}
+    model = DDP(module, process_group=group, **caps, **ddp_kwargs)
+    model._set_ddp_runtime_logging_sample_rate(1)  # timing stats on every iteration
+    return model
+
+
+def wrap(
+    module: nn.Module,
+    sync: str,
+    group=None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    **ddp_kwargs,
+) -> nn.Module:
+    """The one entry point: validate (before any collective), then build the wrapper."""
+    check_sync_args(sync, bucket_cap_mb, first_bucket_mb)
+    if sync == "naive":
+        return NaiveDDP(module, group)
+    if sync == "overlap":
+        return OverlapDDP(module, group)
+    if sync == "bucket":
+        return BucketDDP(module, group, bucket_cap_mb, first_bucket_mb)
+    return torch_ddp(module, group, bucket_cap_mb, first_bucket_mb, **ddp_kwargs)

@@ -1,0 +1,268 @@
+"""Day 17: train the shared GPT with a chosen gradient sync and see where each step's time goes.
+
+CPU (gloo), 2 processes, ~20 s each:
+    torchrun --standalone --nproc_per_node=2 -m day17_ddp.train --sync=bucket
+    torchrun --standalone --nproc_per_node=2 -m day17_ddp.train --sync=ddp
+    ... --sync=naive | --sync=overlap | --grad_accum=4 | --bucket_cap_mb=5 --first_bucket_mb=5
+GPUs (NCCL, one process per GPU):
+    torchrun --standalone --nproc_per_node=gpu -m day17_ddp.train --sync=bucket \
+        --config day17_ddp/gpu.toml
+
+Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it),
+TORCH_DISTRIBUTED_DEBUG=DETAIL (DDP names parameters that got no gradient).
+
+Per step it prints the time in forward, in backward compute and blocked on communication, and the
+overlap achieved (definitions in observe.py); then the bucket layout (torch DDP's read from its
+logging data after the rebuild), a profiler trace per rank (traces/rank<R>.json) and timeline.png.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from day17_ddp import observe
+from day17_ddp.ddp_manual import SyncError, check_sync_args, wrap
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.metrics import StepLogger
+from dtl.model import GPT, PRESETS, preset
+
+
+@dataclass
+class Config:
+    sync: str = "bucket"  # naive | overlap | bucket | ddp
+    model: str = "small"  # GPT preset; `small` has the 50,304-token vocabulary (25 MiB wte grad)
+    tie_weights: bool = True  # lm_head shares wte; False gives lm_head its own 25 MiB gradient
+    batch_size: int = 4  # sequences per rank per micro-step
+    seq_len: int = 64  # 4 x 64 = 256 tokens per rank per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step; all but the last under no_sync()
+    steps: int = 8
+    warmup: int = 2  # steps left out of the medians (step 0 builds, step 1 uses rebuilt buckets)
+    lr: float = 6e-4
+    bucket_cap_mb: float = 25.0  # DDP's default cap ...
+    first_bucket_mb: float = 1.0  # ... and first bucket (DDP uses the cap if you set bucket_cap_mb)
+    find_unused_parameters: bool = False  # ddp only: traverse the graph after every forward
+    gradient_as_bucket_view: bool = False  # ddp only: .grad becomes a view into the bucket
+    static_graph: bool = False  # ddp only
+    profile_step: int = 4  # the step traced by torch.profiler; -1 for none
+    seed: int = 0
+    out_dir: str = ""  # default: outputs/day17_ddp/train-<sync>
+
+    def validate(self) -> None:
+        try:
+            check_sync_args(self.sync, self.bucket_cap_mb, self.first_bucket_mb)
+        except SyncError as e:
+            raise dtl_config.ConfigError(str(e)) from None
+        if self.model not in PRESETS:
+            raise dtl_config.ConfigError(
+                f"unknown model '{self.model}'; one of {', '.join(PRESETS)}"
+            )
+        timed = self.steps - self.warmup - (self.warmup <= self.profile_step < self.steps)
+        if min(self.batch_size, self.seq_len, self.grad_accum) < 1 or timed < 1:
+            raise dtl_config.ConfigError(
+                "need batch_size, seq_len, grad_accum >= 1 and one timed "
+                "step after warmup that is not the profiled step"
+            )
+        if self.seq_len > preset(self.model).block_size:
+            raise dtl_config.ConfigError(
+                f"seq_len {self.seq_len} exceeds the {self.model} "
+                f"block_size {preset(self.model).block_size}"
+            )
+
+
+def build(cfg: Config, info):
+    gpt = GPT(preset(cfg.model, tie_weights=cfg.tie_weights), seed=cfg.seed).to(info.device)
+    ddp_kwargs = {}
+    if cfg.sync == "ddp":
+        ddp_kwargs = dict(
+            find_unused_parameters=cfg.find_unused_parameters,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+        )
+    model = wrap(
+        gpt,
+        cfg.sync,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        first_bucket_mb=cfg.first_bucket_mb,
+        **ddp_kwargs,
+    )
+    return gpt, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+
+def train_step(model, opt, tokens, cfg: Config, step: int, info) -> dict:
+    """One optimizer step; returns its timings. Micro-steps but the last skip the sync."""
+    x, y = get_batch(
+        tokens,
+        cfg.seq_len,
+        cfg.batch_size * cfg.grad_accum,
+        seed=cfg.seed,
+        step=step,
+        dp_rank=info.rank,
+        dp_size=info.world_size,
+    )
+    x, y = x.to(info.device), y.to(info.device)  # (grad_accum * B, T) rows for this rank
+    fwd = bwd = 0.0
+    t_step = time.perf_counter()
+    for m in range(cfg.grad_accum):
+        # the flag must hold during forward: DDP arms the backward sync there (see the notes)
+        model.require_backward_grad_sync = m == cfg.grad_accum - 1
+        rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+        t0 = time.perf_counter()
+        with record_function("forward"):
+            _, loss = model(x[rows], y[rows])
+        t1 = time.perf_counter()
+        with record_function("backward"):
+            (loss / cfg.grad_accum).backward()  # the last one all-reduces, inside backward
+        fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+    with record_function("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync_device(info)
+    times = observe.step_breakdown(model, fwd, bwd)
+    return dict(times, step_ms=(time.perf_counter() - t_step) * 1e3, loss=loss.item())
+
+
+def _sync_device(info) -> None:
+    if info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)
+
+
+def replica_gap(gpt) -> float:
+    """max |p - p_rank0| over all parameters and ranks: 0.0 when the replicas are identical."""
+    flat = torch.cat([p.detach().reshape(-1) for p in gpt.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    gap = (flat - ref).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def run(cfg: Config, info) -> dict:
+    # the GPT-2 BPE for the 50k-vocabulary presets, bytes for `tiny` (vocabulary 256)
+    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    gpt, model, opt = build(cfg, info)
+    log = StepLogger(
+        cfg.out_dir,
+        cfg.steps,
+        tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size,
+        tensorboard=True,
+    )
+    rows = []
+    for step in range(cfg.steps):
+        traced = step == cfg.profile_step  # profiler overhead: left out of the medians
+        r = (profiled_step if traced else train_step)(model, opt, corpus.train, cfg, step, info)
+        if step >= cfg.warmup and not traced:
+            rows.append(r)
+        log.log(
+            step,
+            loss=r["loss"],
+            dt_s=r["step_ms"] / 1e3,
+            fwd_ms=f"{r['fwd_ms']:.0f}",
+            bwd_compute_ms=f"{r['bwd_compute_ms']:.0f}",
+            blocked_ms=f"{r['blocked_ms']:.0f}",
+            comm_ms=f"{r['comm_ms']:.0f}",
+            overlap=f"{r['overlap']:.0%}",
+        )
+    log.close()
+    names = _param_names(gpt)
+    name, big = max(gpt.named_parameters(), key=lambda kv: kv[1].numel())
+    dtl_dist.print0(
+        f"largest gradient: {name} {tuple(big.shape)} x 4 bytes = "
+        f"{big.numel() * 4:,} B = {big.numel() * 4 / 2**20:.2f} MiB"
+    )
+    return dict(
+        rows=rows,
+        layout=observe.bucket_layout(model, names),
+        gap=replica_gap(gpt),
+        n_params=sum(p.numel() for p in gpt.parameters()),
+    )
+
+
+def _param_names(gpt) -> list[str]:
+    return [n for n, p in gpt.named_parameters() if p.requires_grad]  # tied lm_head: once, as wte
+
+
+def profiled_step(model, opt, tokens, cfg, step, info) -> dict:
+    """The same step under torch.profiler; rank R writes traces/rank<R>.json."""
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        row = train_step(model, opt, tokens, cfg, step, info)
+    os.makedirs(os.path.join(cfg.out_dir, "traces"), exist_ok=True)
+    prof.export_chrome_trace(trace_path(cfg, info.rank))
+    return row
+
+
+def trace_path(cfg: Config, rank: int) -> str:
+    return os.path.join(cfg.out_dir, "traces", f"rank{rank}.json")
+
+
+def report(cfg: Config, info, result: dict) -> None:
+    """Medians after warmup, the layout, the formulas beside the measurements, the timeline."""
+    med = {k: statistics.median(r[k] for r in result["rows"]) for k in result["rows"][0]}
+    sizes, groups = result["layout"]
+    n, S = info.world_size, sum(sizes)
+    dtl_dist.print0(f"bucket layout ({cfg.sync}): " + observe.format_layout(sizes, groups))
+    dtl_dist.print0(
+        f"all-reduced per step S = {S:,} bytes = 4 bytes x {result['n_params']:,} "
+        f"params"
+        f" ({'ok' if S == 4 * result['n_params'] else 'MISMATCH'}); ring traffic per "
+        f"rank 2(n-1)/n x S = {2 * (n - 1) / n * S / 1e6:.1f} MB at n={n}"
+    )
+    parts = med["fwd_ms"] + med["bwd_compute_ms"] + med["blocked_ms"]
+    dtl_dist.print0(
+        f"step = fwd + bwd compute + blocked + optimizer: {med['step_ms']:.0f} ms = "
+        f"{med['fwd_ms']:.0f} + {med['bwd_compute_ms']:.0f} + {med['blocked_ms']:.0f}"
+        f" + {med['step_ms'] - parts:.0f} ms (medians of {len(result['rows'])} steps)"
+    )
+    dtl_dist.print0(
+        f"window overlap = (comm span - blocked) / comm span = ({med['comm_ms']:.0f}"
+        f" - {med['blocked_ms']:.0f}) / {med['comm_ms']:.0f} = {med['overlap']:.0%}"
+    )
+    traced = ""
+    if info.is_main and 0 <= cfg.profile_step < cfg.steps:
+        traced = f", {timeline(cfg, sizes):.0%} of all-reduce busy time under compute (trace)"
+    dtl_dist.print0(
+        f"summary: day17 sync={cfg.sync} model={cfg.model} ranks={n}: replicas identical "
+        f"{'yes' if result['gap'] == 0 else 'NO'} (max diff {result['gap']:.1e}); step "
+        f"{med['step_ms']:.0f} ms = fwd {med['fwd_ms']:.0f} + bwd {med['bwd_compute_ms']:.0f} + "
+        f"blocked {med['blocked_ms']:.0f} ms; window overlap {med['overlap']:.0%}{traced}; "
+        f"{len(sizes)} buckets"
+    )
+
+
+def timeline(cfg: Config, sizes: list[int]) -> float:
+    lanes = observe.trace_spans(trace_path(cfg, 0))
+    busy, hidden = observe.trace_overlap(lanes)
+    path = os.path.join(cfg.out_dir, "timeline.png")
+    title = (
+        f"day 17, sync={cfg.sync}, step {cfg.profile_step}: all-reduce busy {busy:.0f} ms, "
+        f"{hidden:.0%} of it during backward compute"
+    )
+    observe.plot_timeline(lanes, title, path, sizes)
+    print(f"trace: {title} -> {path}", flush=True)
+    return hidden
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    cfg.out_dir = cfg.out_dir or f"outputs/day17_ddp/train-{cfg.sync}"
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    result = run(cfg, info)
+    report(cfg, info, result)
+    failed = result["gap"] != 0
+    dtl_dist.cleanup()
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

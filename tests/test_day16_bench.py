@@ -1,0 +1,183 @@
+"""Day 16: the benchmark and the forensics script: bad input fails in one line before any
+collective, every op's correctness check passes (and can fail), busbw uses nccl-tests' factors,
+the step/byte counts match, Ctrl-C prints the partial table, the CPU forensics path works."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from day16_nccl import algorithms, bench, cost_model, forensics, nccl_log, ops, report
+from dtl import config as dtl_config
+from dtl.comm import BUSBW_FACTOR
+from dtl.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_bytes=1"], "min_bytes > max_bytes"),
+        (["--factor=1"], "factor"),
+        (["--ops=all_reduce,nope"], "unknown op(s) ['nope']"),
+        (["--dtype=float8"], "dtype 'float8'"),
+        (["--nccl_algo=Rnig"], "nccl_algo: 'Rnig'"),
+        (["--nccl_proto=LL256"], "nccl_proto: 'LL256'"),
+        (["--bogus=1"], "unknown config key 'bogus'"),
+    ],
+)
+def test_bench_rejects_bad_input(argv, message):
+    with pytest.raises(
+        dtl_config.ConfigError,
+        match=message.replace("(", r"\(")
+        .replace(")", r"\)")
+        .replace("[", r"\[")
+        .replace("]", r"\]"),
+    ):
+        dtl_config.load(bench.Config, argv)
+
+
+def test_nccl_knobs_accept_what_nccl_accepts():
+    cfg = dtl_config.load(bench.Config, ["--nccl_algo=^Tree,ring", "--nccl_proto=Simple"])
+    assert cfg.nccl_algo == "^Tree,ring"
+    dtl_config.load(bench.Config, ["--nccl_algo=allreduce:tree;broadcast:ring"])
+
+
+def test_forensics_rejects_bad_input():
+    for argv in (["--sizes=2"], ["--sizes=a,b"], ["--fixture=missing.log"]):
+        with pytest.raises(dtl_config.ConfigError):
+            dtl_config.load(forensics.Config, argv)
+
+
+def test_bad_size_is_one_line_on_stderr_before_any_process_group():
+    proc = subprocess.run(
+        [sys.executable, "-m", "day16_nccl.bench", "--min_bytes=0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: bad sizes")
+
+
+def _bench_every_op():
+    cfg = dtl_config.load(
+        bench.Config,
+        ["--reps=1", "--iters=1", "--max_bytes=65536", "--min_bytes=65536", "--chunk_kib=16"],
+    )
+    rows = [
+        bench.measure(cfg, op, nbytes, torch.device("cpu"))
+        for op in ops.OPS
+        for nbytes in (4096 + 12, 65536)
+    ]  # 4108 B: not divisible by 3
+    counts_ok = bench.count_check(cfg, torch.device("cpu"))
+    real = algorithms.ring_all_reduce  # negative control: a ring that does nothing
+    try:
+        algorithms.ring_all_reduce = lambda t, group=None: algorithms.Stats()
+        case = ops.make_case(
+            "ring_all_reduce", 4096, dist.get_world_size(), torch.float32, torch.device("cpu"), 2048
+        )
+        broken = case.check()
+    finally:
+        algorithms.ring_all_reduce = real
+    return rows, counts_ok, broken
+
+
+def test_every_op_passes_its_check_and_busbw_uses_the_nccl_tests_factor():
+    rows, counts_ok, broken = run_distributed(_bench_every_op, world_size=3)[0]
+    assert {r["op"] for r in rows} == set(ops.OPS)
+    for r in rows:
+        assert r["wrong"] == 0, r
+        kind = ops.OPS[r["op"]][0]
+        assert r["busbw"] == pytest.approx(r["algbw"] * BUSBW_FACTOR[kind](3))
+        assert r["algbw"] == pytest.approx(r["nbytes"] / (r["time_us"] / 1e6) / 1e9)
+    assert counts_ok
+    assert broken > 0, "the correctness check did not notice a broken all-reduce"
+
+
+def test_report_tables_and_model_on_synthetic_rows(tmp_path):
+    alpha, beta, n = 100e-6, 1e9, 4
+    rows = []
+    for op, name in report.MODEL_ALGOS.items():
+        for s in (2**20, 2**22, 16 * 2**20, 64 * 2**20):
+            t = cost_model.predict(alpha, beta, name, s, n, 4, 2**21, 2)
+            rows.append(
+                dict(
+                    op=op,
+                    nbytes=s,
+                    count=s // 4,
+                    dtype="float32",
+                    n=n,
+                    time_us=t * 1e6,
+                    min_us=t * 1e6,
+                    algbw=s / t / 1e9,
+                    busbw=s / t / 1e9 * 1.5,
+                    wrong=0,
+                )
+            )
+    rows += [dict(r, op="all_reduce", busbw=r["busbw"] / 2) for r in rows[:4]]
+    cfg = dtl_config.load(bench.Config, [f"--out_dir={tmp_path}"])
+    assert report.ring_ratio(rows) == {
+        16 * 2**20: pytest.approx(2.0),
+        64 * 2**20: pytest.approx(2.0),
+    }
+    assert "ring_all_reduce" in report.busbw_table(rows)
+    lines, model = report.model_report(rows, cfg, cores=2)
+    assert model["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert all(max(e) < 1e-6 for e in model["errors"].values())
+    assert os.path.isfile(tmp_path / "cost_model.png")
+
+
+def _forensics_gloo():
+    cfg = dtl_config.load(forensics.Config, ["--sizes=4096,1048576"])
+    return forensics.run_all_reduces(cfg.byte_sizes(), torch.device("cpu"))
+
+
+def test_forensics_gloo_path_and_fixture_digest():
+    assert run_distributed(_forensics_gloo, world_size=2) == [True, True]
+    rep = nccl_log.parse_files([os.path.join(forensics.FIXTURES, "multinode.log")])
+    assert forensics.report_lines(rep) == (
+        "NCCL 2.26.2+cuda12.2, 4 ranks on 2 host(s), transports NET/IB, P2P/CUMEM, 2 channels, "
+        "all-reduce 4096 B -> TREE/LL; 67108864 B -> RING/SIMPLE"
+    )
+
+
+def test_ctrl_c_prints_the_rows_measured_so_far(tmp_path):
+    proc = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "day16_nccl.bench",
+            "--full",
+            f"--out_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen += [line] if line.startswith("all_reduce ") else []
+            if len(seen) == 3:  # three rows in: press Ctrl-C (SIGINT to the whole group)
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        rest = proc.stdout.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "interrupted: " in rest, rest[-2000:]
+    with open(tmp_path / "bench_partial.csv") as f:
+        assert len(f.read().splitlines()) >= 1 + 3  # header + the rows printed before Ctrl-C

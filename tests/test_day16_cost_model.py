@@ -1,0 +1,85 @@
+"""Day 16, no processes: the trees have the shape the notes claim, the vectorised cost model
+replays the real schedule, and the alpha-beta fit recovers known parameters."""
+
+import math
+
+import pytest
+
+from day16_nccl import algorithms as algo
+from day16_nccl import cost_model
+
+
+@pytest.mark.parametrize("n", range(1, 65))
+def test_trees_are_binary_trees_and_no_rank_is_inner_in_both(n):
+    t1, t2 = algo.double_binary_tree(n)
+    assert t1 == algo.binary_tree(n)
+    for tree in (t1, t2):
+        assert sum(p == -1 for p in tree.parent) == 1  # one root
+        assert max(len(c) for c in tree.children) <= 2
+        assert sum(len(c) for c in tree.children) == n - 1  # n-1 edges, all reachable
+        assert tree.height <= max(1, math.ceil(math.log2(n)))
+    assert not t1.inner() & t2.inner(), "a rank is an inner node in both trees"
+
+
+def _replay(algo_name, numel, n, elem, chunk, cores):
+    """Brute force: walk tree_round_ops for every rank and round (what the ranks really do)."""
+    per = chunk // elem
+    plans = [
+        (t, [min(per, seg - i) for i in range(0, seg, per)])
+        for t, seg in cost_model._segments(algo_name, numel, n)
+    ]
+    steps = max(algo.tree_rounds(t, len(s)) for t, s in plans)
+    total, sent_total = 0, [0] * n
+    for t in range(steps):
+        sent, recv = [0] * n, [0] * n
+        for tree, sizes in plans:
+            for r in range(n):
+                s_ops, r_ops = algo.tree_round_ops(tree, r, t, len(sizes))
+                sent[r] += sum(sizes[c] for _, c, _ in s_ops) * elem
+                recv[r] += sum(sizes[c] for _, c, _ in r_ops) * elem
+        sent_total = [a + b for a, b in zip(sent_total, sent)]
+        work = sent if cores is None else [a + b for a, b in zip(sent, recv)]
+        total += max(max(work), sum(work) / cores) if cores else max(work)
+    return steps, total, sent_total
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("algo_name", ["tree", "dbt"])
+def test_critical_bytes_and_counts_equal_a_replay_of_the_schedule(algo_name, n):
+    for numel in (1, 7, 100, 1001):
+        for cores in (None, 2):
+            steps, b, sent = _replay(algo_name, numel, n, 4, 64, cores)
+            assert cost_model.critical_bytes(algo_name, numel, n, 4, 64, cores) == (steps, int(b))
+            assert cost_model.tree_counts(algo_name, numel, n, 4, 64) == (steps, sent)
+
+
+def test_ring_counts_spell_out_uneven_chunks():
+    # N = 10 on n = 4: chunks 3 3 2 2; rank r sends 2N - |c_r| - |c_(r+1)| elements
+    assert cost_model.chunk_sizes(10, 4) == [3, 3, 2, 2]
+    assert cost_model.ring_counts(10, 4, 4) == (
+        6,
+        [4 * (20 - 3 - 3), 4 * (20 - 3 - 2), 4 * (20 - 2 - 2), 4 * (20 - 2 - 3)],
+    )
+    steps, sent = cost_model.ring_counts(1024, 4, 4)
+    assert steps == 2 * (4 - 1) and sent == [2 * 3 / 4 * 4096] * 4  # 2(n-1)/n S when n | N
+
+
+def test_fit_recovers_alpha_and_beta_from_model_generated_times():
+    alpha, beta = 150e-6, 2.5e9
+    rows = [
+        dict(algo=a, nbytes=s, n=4, time_s=cost_model.predict(alpha, beta, a, s, 4, 4, 2**20, 2))
+        for a in ("ring", "tree", "dbt")
+        for s in (2**12, 2**16, 2**20, 2**24)
+    ]
+    got_alpha, got_beta = cost_model.fit(rows, 4, 2**20, 2)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6)
+    assert got_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_tree_wins_small_messages_at_scale_but_never_on_two_ranks():
+    alpha, beta = 20e-6, 20e9  # a GPU-like link
+    assert cost_model.crossover_bytes(alpha, beta, 2, "dbt") is None  # trees take more rounds
+    small = cost_model.crossover_bytes(alpha, beta, 64, "dbt")
+    assert small is not None and small < 2**34
+    big = cost_model.crossover_bytes(alpha, beta, 512, "dbt")
+    assert big >= small  # more ranks: ring's 2(n-1) rounds cost more, the crossover moves up

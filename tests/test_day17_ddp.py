@@ -1,0 +1,226 @@
+"""Day 17: hand-written gradient syncs (naive, overlap, bucket) and torch DDP vs one process.
+
+Reference: one process, the same GPT (tiny preset, seed 0), the same tokens, the global batch
+concatenated. fp32 throughout. The optimizer is SGD with momentum: its update is linear in the
+gradient, so the all-reduce's different summation order stays at rounding level (~1e-7). Adam is
+not used here on purpose: it divides by sqrt(v) and turns the rounding noise of gradients that are
+zero in exact arithmetic (the attention key bias) into lr-sized steps (see the notes' pitfalls).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from day17_ddp import ddp_manual
+from day17_ddp.ddp_manual import SYNC_MODES, BucketDDP, SyncError, wrap
+from dtl.data import get_batch
+from dtl.model import GPT, preset
+from dtl.testing import run_distributed
+
+CFG = preset("tiny")
+B, T, K, LR = 2, 16, 3, 0.5  # per-rank batch, sequence, optimizer steps, SGD lr (large on purpose)
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 parameters after K SGD-momentum steps
+
+
+def tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, 20_000).astype(np.uint16)
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train(model, rank, world, steps=K, micro=1, wrong_toggle=False):
+    """AdamW steps; each step = `micro` forward/backward micro-steps (grad accumulation)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = tokens()
+    for step in range(steps):
+        x, y = get_batch(data, T, B * micro, seed=0, step=step, dp_rank=rank, dp_size=world)
+        for m in range(micro):
+            last = m == micro - 1
+            xs, ys = x[m * B : (m + 1) * B], y[m * B : (m + 1) * B]
+            if micro > 1 and not wrong_toggle:  # correct: the flag holds during forward too
+                model.require_backward_grad_sync = last
+            _, loss = model(xs, ys)
+            if wrong_toggle:  # the build-nanogpt PR #30 bug: the flag set only before backward
+                model.require_backward_grad_sync = last
+            (loss / micro).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def reference(world, steps=K, micro=1) -> torch.Tensor:
+    model = GPT(CFG, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = tokens()
+    for step in range(steps):  # one process, the global batch: world x micro x B rows
+        x, y = get_batch(data, T, B * micro * world, seed=0, step=step)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return flat_params(model)
+
+
+def gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _all_modes(micro):
+    """Every sync mode trained K steps: all ranks' params per mode, and launch timing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, launches = {}, {}
+    for sync in SYNC_MODES:
+        # a different seed on every rank: the wrapper must broadcast rank 0's weights first
+        model = wrap(GPT(CFG, seed=rank), sync, bucket_cap_mb=0.02, first_bucket_mb=0.01)
+        params = flat_params(train(model, rank, world, micro=micro))
+        results[sync] = gather(params)
+        if sync != "ddp":  # when, relative to the end of backward compute, was each launched?
+            launches[sync] = [e[0] < model.stats.compute_end for e in model.stats.events]
+    return results, launches
+
+
+def _bucket_layouts():
+    """BucketDDP's rebuilt layout next to torch DDP's, for three (first, cap) settings."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for first, cap in ((0.01, 0.03), (0.02, 0.02), (1.0, 25.0)):
+        mine = train(
+            wrap(GPT(CFG, seed=0), "bucket", bucket_cap_mb=cap, first_bucket_mb=first),
+            rank,
+            world,
+            steps=3,
+        )
+        ddp = train(
+            wrap(GPT(CFG, seed=0), "ddp", bucket_cap_mb=cap, first_bucket_mb=first),
+            rank,
+            world,
+            steps=3,
+        )
+        log = ddp._get_ddp_logging_data()
+        out.append(
+            (
+                (first, cap),
+                mine.bucket_sizes(),
+                mine.layout,
+                mine.rebuilt,
+                log["rebuilt_bucket_sizes"],
+                log["rebuilt_per_bucket_param_indices"],
+            )
+        )
+    return out
+
+
+def _wrong_and_right_toggle():
+    """require_backward_grad_sync toggled only around backward vs around forward+backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for sync in ("ddp", "bucket"):
+        wrong = flat_params(
+            train(wrap(GPT(CFG, seed=0), sync), rank, world, steps=2, micro=2, wrong_toggle=True)
+        )
+        right = flat_params(train(wrap(GPT(CFG, seed=0), sync), rank, world, steps=2, micro=2))
+        out[sync] = (gather(wrong), gather(right))
+    return out
+
+
+def _world2_body():
+    return _all_modes(micro=1), _all_modes(micro=3), _bucket_layouts(), _wrong_and_right_toggle()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2_body, world_size=2, timeout_s=120)[0]
+
+
+def assert_replicas_match_reference(per_mode, ref):
+    for sync, ranks in per_mode.items():
+        for r, params in enumerate(ranks):
+            assert torch.equal(params, ranks[0]), f"{sync}: rank {r} differs from rank 0"
+            torch.testing.assert_close(
+                params, ref, **TOL, msg=lambda m, sync=sync: f"{sync} vs single process: {m}"
+            )
+
+
+def test_all_four_syncs_match_single_process_after_k_steps_at_world_2(world2):
+    assert_replicas_match_reference(world2[0][0], reference(world=2))
+
+
+def test_naive_launches_after_backward_overlap_and_bucket_launch_during_it(world2):
+    launches = world2[0][1]  # per all-reduce: launched before the last gradient was ready?
+    assert len(launches["naive"]) == 28 and not any(launches["naive"])  # one per tensor, after
+    assert len(launches["overlap"]) == 28 and all(launches["overlap"])  # one per tensor, during
+    assert 2 < len(launches["bucket"]) < 28 and all(launches["bucket"])  # one per bucket, during
+
+
+def _world4_body():
+    return _all_modes(micro=1)
+
+
+def test_all_four_syncs_match_single_process_after_k_steps_at_world_4():
+    per_mode, _ = run_distributed(_world4_body, world_size=4, timeout_s=120)[0]
+    assert_replicas_match_reference(per_mode, reference(world=4))
+
+
+def test_no_sync_accumulation_over_3_micro_steps_equals_one_step_on_3x_batch(world2):
+    assert_replicas_match_reference(world2[1][0], reference(world=2, micro=3))
+
+
+def test_hand_written_bucket_layout_matches_torch_ddp_rebuilt_buckets(world2):
+    for (first, cap), sizes, layout, rebuilt, ddp_sizes, ddp_indices in world2[2]:
+        assert rebuilt, "BucketDDP did not rebuild its buckets after the first iteration"
+        assert ", ".join(map(str, sizes)) == ddp_sizes, (first, cap, sizes, ddp_sizes)
+        mine = ", ".join(" ".join(map(str, idx)) for idx in layout)
+        assert mine == ddp_indices, (first, cap, mine, ddp_indices)
+    n_buckets = [len(sizes) for _, sizes, *_ in world2[2]]
+    assert n_buckets[0] > 2 and n_buckets[2] == 1, n_buckets  # the small caps really split
+
+
+def test_toggling_require_backward_grad_sync_only_around_backward_desyncs_replicas(world2):
+    ref = reference(world=2, steps=2, micro=2)
+    for sync, (wrong, right) in world2[3].items():
+        gap = (wrong[0] - wrong[1]).abs().max().item()
+        assert gap > 1e-4, f"{sync}: the wrong toggle should leave replicas apart, gap {gap:.2e}"
+        for params in right:
+            torch.testing.assert_close(params, ref, **TOL)
+
+
+def test_bad_bucket_cap_and_unknown_sync_mode_fail_with_one_line_before_any_collective():
+    # no process group exists here: reaching a collective would raise a different error
+    assert not dist.is_initialized()
+    model = GPT(CFG, seed=0)
+    for kwargs, pattern in (
+        ({"sync": "allreduce"}, "unknown sync mode 'allreduce'"),
+        ({"sync": "bucket", "bucket_cap_mb": 0}, "bucket_cap_mb must be"),
+        ({"sync": "bucket", "bucket_cap_mb": -1.0}, "bucket_cap_mb must be"),
+        ({"sync": "ddp", "first_bucket_mb": 0}, "first_bucket_mb must be"),
+    ):
+        with pytest.raises(SyncError, match=pattern) as info:
+            wrap(model, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(SyncError, match="bucket_cap_mb must be"):
+        BucketDDP(model, bucket_cap_mb=0)
+    assert ddp_manual.assign_buckets([4, 4, 8], [2, 1, 0], 8, 8) == [[2], [1, 0]]
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--sync=allreduce", "unknown sync mode 'allreduce'"),
+        ("--bucket_cap_mb=0", "bucket_cap_mb must be"),
+    ],
+)
+def test_train_script_rejects_bad_input_with_one_line_and_exit_2(arg, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "day17_ddp.train", arg], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
