@@ -56,15 +56,24 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+WIDTH = 96  # the "what the run showed" column; longer summary lines wrap
+
+
 def table(results: list[registry.Result]) -> str:
-    rows = [f"{'day':<4} {'run':<14} {'what the run showed':<96} {'wall':>6}  result"]
+    rows = [f"{'day':<4} {'run':<14} {'what the run showed':<{WIDTH}} {'wall':>6}  result"]
     for r in results:
         shown = r.summary_lines() or ["(no summary line)"]
-        for i, line in enumerate(shown):
-            text = line.removeprefix("summary:").strip()[:96]
+        texts = [
+            w
+            for s in shown
+            for w in textwrap.wrap(
+                s.removeprefix("summary:").strip(), WIDTH, subsequent_indent="  "
+            )
+        ]
+        for i, text in enumerate(texts):
             head = f"{r.lesson.day:<4} {r.run.name:<14}" if i == 0 else " " * 19
             tail = f"{r.seconds:>5.0f}s  {'PASS' if r.ok else 'FAIL'}" if i == 0 else ""
-            rows.append(f"{head} {text:<96} {tail}")
+            rows.append(f"{head} {text:<{WIDTH}} {tail}".rstrip())
     return "\n".join(rows)
 
 
