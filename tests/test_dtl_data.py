@@ -88,3 +88,11 @@ def test_missing_mnist_folder_and_unknown_tokenizer_are_one_line_errors(tmp_path
         data.load_mnist(str(tmp_path))
     with pytest.raises(data.DataError, match="unknown tokenizer 'bpe'"):
         data.get_tokenizer("bpe")
+
+
+def test_a_hub_dataset_name_offline_is_a_one_line_error_not_a_retry_loop(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(data.DataError, match="could not load dataset 'nobody/no-such-set'") as err:
+        data.load_text("nobody/no-such-set")
+    assert "\n" not in str(err.value)
