@@ -156,8 +156,15 @@ def fit(
         )
         a.append([steps / row["time_s"], b / row["time_s"]])
         y.append(1.0)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
-    return float(alpha), float(1.0 / inv_beta)
+    a, y = np.array(a), np.array(y)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, y, rcond=None)
+    # A latency or a time per byte below zero is not physical; noisy points can still fit that
+    # best. Then the constrained optimum lies on the boundary: fit the other term alone.
+    if alpha < 0:
+        alpha, inv_beta = 0.0, a[:, 1] @ y / (a[:, 1] @ a[:, 1])
+    elif inv_beta <= 0:
+        alpha, inv_beta = a[:, 0] @ y / (a[:, 0] @ a[:, 0]), 0.0
+    return float(alpha), (1.0 / float(inv_beta) if inv_beta > 0 else math.inf)
 
 
 def pipeline_shape(algo: str, nbytes: int, n: int, chunk_bytes: int) -> tuple[int, int]:

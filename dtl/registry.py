@@ -17,6 +17,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGISTRY = os.path.join(REPO_ROOT, "lessons.toml")
 README = os.path.join(REPO_ROOT, "README.md")
 TABLE_BEGIN, TABLE_END = "<!-- lessons:begin -->", "<!-- lessons:end -->"
+KINDS = ("lesson", "benchmark")
 
 
 @dataclass
@@ -26,6 +27,15 @@ class Run:
     gpu: str
     expect: list[str]  # regexes the run's output must match, each on some line
     timeout_s: int = 180
+    # "lesson": run by `make tour` and the tests as written. "benchmark": a long measurement;
+    # `make tour` skips it (python -m dtl.tour --benchmarks runs it) and the tests run it with
+    # `smoke_args` appended (config overrides come last, so they shrink the same script).
+    kind: str = "lesson"
+    smoke_args: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"lessons.toml run '{self.name}': kind must be one of {KINDS}")
 
 
 @dataclass
@@ -56,6 +66,7 @@ def readme_table(lessons: list[Lesson]) -> str:
         for i, run in enumerate(lesson.runs):
             day = f"[{lesson.day}]({lesson.package}/README.md)" if i == 0 else ""
             title = lesson.title if i == 0 else f"↳ {run.name}"
+            title += " (benchmark)" if run.kind == "benchmark" else ""
             proves = lesson.proves if i == 0 else ""
             rows.append(f"| {day} | {title} | `{run.cpu}` | `{run.gpu}` | {proves} |")
     return "\n".join(rows)

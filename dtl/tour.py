@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--day", type=int, action="append", help="only these days")
     parser.add_argument("--cpu", action="store_true", help="CPU launch lines even with GPUs")
+    parser.add_argument("--benchmarks", action="store_true", help="also the long benchmark runs")
     args = parser.parse_args(argv)
     gpu = not args.cpu and torch.cuda.device_count() >= 2
     lessons = [x for x in registry.load() if not args.day or x.day in args.day]
@@ -30,23 +31,27 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: no lesson for day(s) {args.day} in lessons.toml")
     log_dir = os.path.join(registry.REPO_ROOT, "outputs", "tour")
     os.makedirs(log_dir, exist_ok=True)
-    print(f"tour: {sum(len(x.runs) for x in lessons)} runs, {'GPU' if gpu else 'CPU'} launch lines")
+    runs = [(x, r) for x in lessons for r in x.runs if args.benchmarks or r.kind == "lesson"]
+    skipped = sum(len(x.runs) for x in lessons) - len(runs)
+    print(
+        f"tour: {len(runs)} runs, {'GPU' if gpu else 'CPU'} launch lines"
+        + (f" ({skipped} benchmarks skipped: --benchmarks runs them)" if skipped else "")
+    )
     results, start = [], time.monotonic()
-    for lesson in lessons:
-        for run in lesson.runs:
-            print(f"  day {lesson.day} {run.name}: {run.gpu if gpu else run.cpu}", flush=True)
-            result = registry.execute(lesson, run, gpu=gpu)
-            with open(os.path.join(log_dir, f"day{lesson.day}-{run.name}.log"), "w") as f:
-                f.write(result.output)
-            if not result.ok:
-                tail = "\n".join(result.output.splitlines()[-15:])
-                print(
-                    textwrap.indent(
-                        f"FAILED (exit {result.returncode}, missing {result.missing})\n{tail}",
-                        "    ",
-                    )
+    for lesson, run in runs:
+        print(f"  day {lesson.day} {run.name}: {run.gpu if gpu else run.cpu}", flush=True)
+        result = registry.execute(lesson, run, gpu=gpu)
+        with open(os.path.join(log_dir, f"day{lesson.day}-{run.name}.log"), "w") as f:
+            f.write(result.output)
+        if not result.ok:
+            tail = "\n".join(result.output.splitlines()[-15:])
+            print(
+                textwrap.indent(
+                    f"FAILED (exit {result.returncode}, missing {result.missing})\n{tail}",
+                    "    ",
                 )
-            results.append(result)
+            )
+        results.append(result)
     print(table(results))
     failed = sum(not r.ok for r in results)
     print(

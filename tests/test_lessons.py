@@ -18,10 +18,12 @@ RUNS = [(lesson, run) for lesson in LESSONS for run in lesson.runs]
 @pytest.mark.launch
 @pytest.mark.parametrize("lesson, run", RUNS, ids=[f"day{x.day}-{r.name}" for x, r in RUNS])
 def test_cpu_launch_line_runs_and_prints_its_summary(lesson, run):
-    result = registry.execute(lesson, run)
+    # a benchmark runs as documented but shrunk by its smoke_args (they override the config)
+    result = registry.execute(lesson, run, extra_args=run.smoke_args)
+    line = f"{run.cpu} {run.smoke_args}".strip()
     tail = "\n".join(result.output.splitlines()[-25:])
-    assert result.returncode == 0, f"`{run.cpu}` exited {result.returncode}:\n{tail}"
-    assert not result.missing, f"`{run.cpu}` did not print {result.missing}:\n{tail}"
+    assert result.returncode == 0, f"`{line}` exited {result.returncode}:\n{tail}"
+    assert not result.missing, f"`{line}` did not print {result.missing}:\n{tail}"
     assert result.summary_lines(), "a lesson run must print at least one `summary:` line"
 
 
@@ -47,6 +49,11 @@ def test_every_lesson_has_notes_and_launch_lines_that_name_real_modules(lesson):
             assert importlib.util.find_spec(module) is not None, module
         for pattern in run.expect:
             re.compile(pattern)
+
+
+def test_benchmarks_carry_smoke_args_and_lessons_do_not():
+    for _, run in RUNS:
+        assert bool(run.smoke_args) == (run.kind == "benchmark"), run.name
 
 
 def test_tour_table_shows_summary_pass_and_fail():
