@@ -13,6 +13,7 @@ or from the standard IDX files when you point `load_mnist(path=...)` at them.
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import hashlib
@@ -103,6 +104,7 @@ def gpt2_files_dir() -> str | None:
     return None
 
 
+@functools.cache  # building the GPT-2 BPE takes ~0.5 s: once per process
 def get_tokenizer(name: str = "auto"):
     """'gpt2', 'byte', or 'auto' (GPT-2 when its files are installed, else bytes)."""
     if name not in ("auto", "gpt2", "byte"):

@@ -20,6 +20,7 @@ from dtl.dist import get_rank
 # Order matters: the first name found in torch.cuda.get_device_name() wins.
 PEAK_BF16_FLOPS = {
     "H100 PCIe": 756e12,  # NVIDIA H100 datasheet
+    "H100 NVL": 835e12,  # H100 NVL (per GPU)
     "H100": 989e12,  # H100 SXM5
     "H200": 989e12,  # same compute die as H100 SXM
     "B200": 2250e12,  # NVIDIA DGX B200 datasheet, per GPU

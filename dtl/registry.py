@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 
@@ -109,8 +110,6 @@ def run_env() -> dict[str, str]:
 
 
 def execute(lesson: Lesson, run: Run, gpu: bool = False, extra_args: str = "") -> Result:
-    import time
-
     line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
     start = time.monotonic()
     try:
