@@ -180,8 +180,8 @@ def _from_parents(parent: list[int]) -> Tree:
 
 def binary_tree(n: int) -> Tree:
     """The in-order binary tree over ranks 0..n-1 (inner nodes = odd ranks). Root: rank P-1, P the
-    largest power of two <= n. NCCL builds its trees from the same bit pattern
-    (src/graph/trees.cc)."""
+    largest power of two <= n. NCCL's src/graph/trees.cc uses the same bit pattern on the ranks
+    themselves (root rank 0, leaves the odd ranks): ours is that tree shifted by one label."""
     parent = []
     for label in range(1, n + 1):
         b = label & -label

@@ -92,7 +92,7 @@ class Config:
 def _check_nccl_list(key: str, value: str, valid: tuple[str, ...]) -> None:
     # NCCL accepts "Ring", "Tree,Ring", "^LL128" and, since 2.24, "allreduce:tree;broadcast:ring"
     for item in value.lstrip("^").replace(";", ",").split(","):
-        name = item.split(":")[-1].strip().lower()
+        name = item.split(":")[-1].strip().lstrip("^").lower()  # "allreduce:^tree"
         if item and name not in valid:
             raise dtl_config.ConfigError(f"{key}: '{item}' is not one of {', '.join(valid)}")
 

@@ -8,7 +8,7 @@ B = sum over rounds of the bytes on the round's bottleneck, in one of two views:
   links (GPUs, NCCL's view): each rank has its own full-duplex link: B = busiest sender's bytes.
       ring  2(n-1) rounds of ceil(N/n) elements:  B = 2(n-1) ceil(N/n) e  ~ 2(n-1)/n S
       tree  k + 2D - 1 rounds (D = height, k chunks); an inner node sends a chunk up and one to
-            each of its 2 children per round:     B ~ 3 S      (n >= 3; S on 2 ranks)
+            each of its 2 children per round:     B ~ 3 S      (n >= 4; 2 S at n = 3, S at n = 2)
       dbt   two trees of S/2, a rank is inner in at most one: B ~ (1 + 2 + 1) S/2 = 2 S
   C CPU cores (this box): every byte costs CPU time to send and again to receive, and the n
       ranks share C cores: B per round = max(busiest rank's sent + received, all ranks' / C).

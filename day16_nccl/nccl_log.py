@@ -17,7 +17,7 @@ Every line NCCL writes starts `host:pid:tid [cudaDev] NCCL INFO ...` (src/debug.
     AllReduce: 4096 Bytes -> Algo TREE proto LL channel{Lo..Hi}={0..1}     its choice (TUNING,
                                                                            NCCL >= ~2.23, rank 0)
     4096 Bytes -> Algo 0 proto 0 time 12.3                                 its choice (TUNING,
-                                                                           NCCL ~2.19-2.22)
+                                                                           NCCL 2.20-2.22, rank 0)
     NCCL_ALGO set by environment to Ring                                  a forced knob
 """
 
@@ -28,8 +28,13 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+# INFO:  host:pid:tid [dev] NCCL INFO msg
+# WARN:  host:pid:tid [dev] file.cc:LINE NCCL WARN msg
+#        (newer: "... file.cc:LINE (func) NCCL WARN"; with a timestamp, "[date time] " first)
+# TRACE: host:pid:tid [dev] 12.345 func:LINE NCCL TRACE msg   (elapsed ms, then where)
 PREFIX = re.compile(
-    r"(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL "
+    r"(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\]"
+    r"(?: [\d.]+)?(?: \S+:\d+(?: \([^)]*\))?)? NCCL "
     r"(?P<level>INFO|WARN|TRACE) (?P<msg>.*)$"
 )
 VERSION = re.compile(r"NCCL version (\S+)")

@@ -69,6 +69,10 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout or timeout_s()))
+        if device.type == "cuda":
+            # eager NCCL init: the communicator exists before the first op, so a lesson whose
+            # first NCCL call is point-to-point (where some ranks may sit a round out) is safe
+            kwargs["device_id"] = device
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(
                 store=_attempt_store(world_size), rank=rank, world_size=world_size, **kwargs

@@ -46,6 +46,7 @@ def test_nccl_knobs_accept_what_nccl_accepts():
     cfg = dtl_config.load(bench.Config, ["--nccl_algo=^Tree,ring", "--nccl_proto=Simple"])
     assert cfg.nccl_algo == "^Tree,ring"
     dtl_config.load(bench.Config, ["--nccl_algo=allreduce:tree;broadcast:ring"])
+    dtl_config.load(bench.Config, ["--nccl_algo=allreduce:^tree"])  # per-function exclusion
 
 
 def test_forensics_rejects_bad_input():
