@@ -64,7 +64,8 @@ class CommStats:
 
     def __init__(self):
         self.events: list[list] = []
-        self.compute_end = 0.0  # time.perf_counter() when the last gradient was ready
+        self.last_ready = 0.0  # time.perf_counter() when the last grad hook fired
+        self.compute_end = 0.0  # when the whole backward graph was done (_finalize)
         self.blocked_s = 0.0  # time the training thread waited on communication after that
 
     def stamp(self, nbytes: int) -> list:
@@ -129,6 +130,7 @@ class _GradSync(nn.Module):
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._ready.add(i)
+            self.stats.last_ready = time.perf_counter()  # stamped before grad_ready may launch
             self.grad_ready(i, p)
 
         return hook

@@ -172,6 +172,11 @@ def run(cfg: Config, info) -> dict:
             overlap=f"{r['overlap']:.0%}",
         )
     log.close()
+    if info.device.type == "cuda":
+        dtl_dist.print0(
+            "note: on CUDA the fwd/bwd/blocked/overlap columns are host-side (CPU launch) times; "
+            "read the NCCL and compute kernel lanes in traces/rank<R>.json for GPU overlap"
+        )
     names = _param_names(gpt)
     name, big = max(gpt.named_parameters(), key=lambda kv: kv[1].numel())
     dtl_dist.print0(
