@@ -169,7 +169,11 @@ def run_all(device) -> list[tuple[str, bool]]:
 
 # Measured on torch 2.13 + gloo (see the notes): these fail, and PREMUL_SUM also leaves the group
 # out of sync so the next collective times out. This script does not run them.
-GLOO_UNSUPPORTED = ("ReduceOp.PREMUL_SUM", "all_gather / all_to_all with uneven sizes", "float8")
+GLOO_UNSUPPORTED = (
+    "ReduceOp.PREMUL_SUM",
+    "all_gather or list all_to_all with uneven sizes (all_to_all_single handles uneven splits)",
+    "float8",
+)
 
 
 def support_table(backend: str, results: list[tuple[str, bool]]) -> str:

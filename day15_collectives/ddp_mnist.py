@@ -112,7 +112,10 @@ def replicas_identical(model) -> bool:
 
 def main() -> None:
     cfg = dtl_config.parse(Config)  # bad keys / types exit here, before any process group
-    mnist = dtl_data.load_mnist(cfg.mnist_path or None)
+    try:
+        mnist = dtl_data.load_mnist(cfg.mnist_path or None)
+    except dtl_data.DataError as e:  # a folder without the IDX files, a truncated file: one line
+        dtl_config.exit_with_error(e)
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir)
     mean = mnist["train_images"].float().div(255).mean().item()  # 0.1307 for the real MNIST

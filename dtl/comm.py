@@ -6,8 +6,10 @@ beside the formula.
     comm.calls["all_reduce"], comm.bytes["all_reduce"], comm.ring_bytes_per_rank()
 
 It wraps the `torch.distributed` Python functions while active, so it sees every call made through
-`dist.<op>` from Python: hand-written lessons, FSDP2/DTensor Python paths. It does not see
-collectives issued from C++ (DDP's Reducer): day 17 counts those through a comm hook instead.
+`dist.<op>` from Python: the hand-written lessons, `batch_isend_irecv` lists, and libraries that
+call `dist.*` (FSDP2's all_gather_single / reduce_scatter_single). It does not see collectives
+issued from C++ (DDP's Reducer: day 17 counts those with a comm hook) nor the functional
+collectives DTensor uses (`torch.distributed._functional_collectives`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-# nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw x factor(n). For a ring
-# (or any bandwidth-optimal point-to-point algorithm) factor x S is what each rank sends.
+# nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw x factor(n), the traffic
+# per link relative to S. For ring all-reduce / all-gather / reduce-scatter that is also what each
+# rank sends; for broadcast and reduce (a pipelined chain) each link carries S once.
 BUSBW_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -45,8 +48,10 @@ _OPS = {
     "reduce": ("reduce", "tensor"),
     "all_gather": ("all_gather", "tensor_list"),  # S = the gathered output
     "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather_single": ("all_gather", "output_tensor"),  # torch 2.13's name, used by FSDP2
     "reduce_scatter": ("reduce_scatter", "input_list"),  # S = the full input
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
     "all_to_all": ("all_to_all", "input_tensor_list"),
     "all_to_all_single": ("all_to_all", "input"),
     "send": ("send", "tensor"),
@@ -63,7 +68,8 @@ class CommCounter:
         self.group = group
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
-        self.world: dict[str, int] = {}  # group size seen for each kind
+        self.ring_bytes: Counter = Counter()  # bytes x factor(size of the call's group), per call
+        self.world: dict[str, int] = {}  # the group size last seen for each kind
         self._saved: dict[str, object] = {}
 
     def _matches(self, group) -> bool:
@@ -73,37 +79,64 @@ class CommCounter:
             return self.group is dist.group.WORLD
         return group is self.group
 
+    def _count(self, kind: str, nbytes: int, group) -> None:
+        if self._matches(group):
+            n = dist.get_world_size(group)
+            self.calls[kind] += 1
+            self.bytes[kind] += nbytes
+            self.ring_bytes[kind] += nbytes * BUSBW_FACTOR[kind](n)
+            self.world[kind] = n
+
     def _wrap(self, name: str, fn):
         kind, data_arg = _OPS[name]
         sig = inspect.signature(fn)
 
         def counted(*args, **kwargs):
             bound = sig.bind(*args, **kwargs)
-            group = bound.arguments.get("group")
-            if self._matches(group):
-                self.calls[kind] += 1
-                self.bytes[kind] += _nbytes(bound.arguments[data_arg])
-                self.world[kind] = dist.get_world_size(group)
+            self._count(kind, _nbytes(bound.arguments[data_arg]), bound.arguments.get("group"))
             return fn(*args, **kwargs)
 
         return counted
 
+    def _wrap_batch(self, batch_fn, isend):
+        def counted(p2p_op_list):
+            for op in p2p_op_list:  # P2POp(op, tensor, peer, group): one send or recv each
+                self._count("send" if op.op is isend else "recv", _nbytes(op.tensor), op.group)
+            return batch_fn(p2p_op_list)
+
+        return counted
+
     def __enter__(self) -> CommCounter:
+        originals = {name: getattr(dist, name) for name in (*_OPS, "P2POp", "batch_isend_irecv")}
+        self._saved = originals
         for name in _OPS:
-            original = getattr(dist, name)
-            self._saved[name] = original
-            setattr(dist, name, self._wrap(name, original))
+            setattr(dist, name, self._wrap(name, originals[name]))
+        # P2POp only accepts the real isend/irecv (it checks identity), so hand it those back;
+        # the ops inside a batch are counted by the batch_isend_irecv wrapper instead.
+        real = {dist.isend: originals["isend"], dist.irecv: originals["irecv"]}
+        base = originals["P2POp"]
+
+        class P2POp(base):
+            def __new__(cls, op, *args, **kwargs):
+                return base.__new__(cls, real.get(op, op), *args, **kwargs)
+
+            def __init__(self, op, *args, **kwargs):
+                super().__init__(real.get(op, op), *args, **kwargs)
+
+        dist.P2POp = P2POp
+        batch = originals["batch_isend_irecv"]
+        dist.batch_isend_irecv = self._wrap_batch(batch, originals["isend"])
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self._saved.items():
             setattr(dist, name, original)
-        self._saved.clear()
+        self._saved = {}
 
     def ring_bytes_per_rank(self, kind: str | None = None) -> float:
-        """Bytes each rank sends if every counted collective runs a bandwidth-optimal ring."""
-        kinds = [kind] if kind else list(self.bytes)
-        return sum(self.bytes[k] * BUSBW_FACTOR[k](self.world.get(k, 1)) for k in kinds)
+        """Bytes per link if every counted collective runs a bandwidth-optimal ring (each call
+        weighted by its own group's size)."""
+        return sum(self.ring_bytes[k] for k in ([kind] if kind else list(self.ring_bytes)))
 
     def table(self) -> str:
         rows = [f"{'collective':<16}{'calls':>7}{'bytes (S)':>14}{'ring bytes/rank':>17}"]

@@ -125,9 +125,14 @@ def parse(cls, argv: list[str] | None = None):
     try:
         return load(cls, argv)
     except ConfigError as e:
-        if get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(e)
+
+
+def exit_with_error(error: Exception | str) -> None:
+    """Bad user input: one line `error: ...` on stderr (rank 0), exit code 2 on every rank."""
+    if get_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def to_dict(cfg) -> dict:

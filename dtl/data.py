@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,17 +186,27 @@ def load_corpus(
 ) -> Corpus:
     """Tokenize `source` once and cache the ids on disk; later calls read the cache."""
     tok = get_tokenizer(tokenizer)
-    key = hashlib.sha1(json.dumps([source, tok.name, split, text_field]).encode()).hexdigest()[:12]
+    key = hashlib.sha1(json.dumps([_source_id(source), tok.name, split, text_field]).encode())
+    key = key.hexdigest()[:12]
     path = os.path.join(cache_dir(), f"tokens-{tok.name}-{key}.npy")
     if os.path.isfile(path):
         ids = np.load(path)
     else:
         ids = np.asarray(tok.encode(load_text(source, split, text_field)), dtype=np.uint16)
-        tmp = f"{path}.{os.getpid()}.tmp.npy"
+        tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp.npy"  # unique on a shared disk
         np.save(tmp, ids)
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
     n_val = int(len(ids) * val_fraction)
     return Corpus(ids[: len(ids) - n_val], ids[len(ids) - n_val :], tok.vocab_size, tok.name)
+
+
+def _source_id(source: str) -> list:
+    """What identifies the text: a local file or folder by its absolute path, size and mtime (an
+    edited file is tokenized again), anything else by its name."""
+    if os.path.exists(source):
+        st = os.stat(source)
+        return [os.path.abspath(source), st.st_size, st.st_mtime_ns]
+    return [source]
 
 
 # --- deterministic batches -------------------------------------------------------------------
@@ -204,9 +215,14 @@ def load_corpus(
 def batch_offsets(
     n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int
 ) -> torch.Tensor:
-    """The start offsets of the global batch at `step`: depend only on (seed, step)."""
+    """The start offsets of the global batch at `step`: depend only on (seed, step).
+
+    A row needs seq_len + 1 tokens (inputs and the shifted targets): offsets 0 .. n - seq_len - 1.
+    """
+    if n_tokens < seq_len + 1:
+        raise DataError(f"{n_tokens} tokens cannot fill one sequence of {seq_len} + 1 tokens")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, n_tokens - seq_len - 1, (global_batch,), generator=gen)
+    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)
 
 
 def get_batch(
@@ -278,6 +294,8 @@ def _read_idx(folder: str, fname: str) -> torch.Tensor:
     ndim = raw[3]
     dims = np.frombuffer(raw, dtype=">i4", count=ndim, offset=4).tolist()
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise DataError(f"{fname}: header says {dims} but the file holds {data.size} bytes")
     return torch.from_numpy(data.reshape(dims).copy())
 
 

@@ -61,7 +61,10 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    backend = backend or choose_backend(local_world_size)
+    if dist.is_initialized():  # already joined (e.g. under dtl.testing): report what it is
+        backend = dist.get_backend()
+    else:
+        backend = backend or choose_backend(local_world_size)
     if backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("error: backend nccl needs CUDA GPUs; this machine has none (use gloo)")
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
@@ -136,18 +139,20 @@ def world_table(info: DistInfo) -> list[tuple]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The parallel grid: Megatron's rank order, TP innermost so a TP group shares a node's fast links.
+# The parallel grid: Megatron's default rank order "tp-cp-dp-pp" (parallel_state's `order`, with
+# expert parallelism 1): TP innermost, so a TP group shares a node's fast links; PP outermost.
 # ---------------------------------------------------------------------------------------------
 
-AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
 
 
 class ParallelGrid:
     """Rank <-> (dp, pp, cp, tp) coordinates, and one process group per axis.
 
-    Rank r sits at `torch.arange(world).view(dp, pp, cp, tp)[d, p, c, t] == r`: consecutive ranks
-    differ in tp first, then cp, then pp, then dp. Example, dp=2 tp=2 (8 ranks, pp=2):
-    tp groups [0,1] [2,3] [4,5] [6,7]; pp groups [0,2] [1,3] [4,6] [5,7]; dp groups [0,4] [1,5] ...
+    Rank r sits at `torch.arange(world).view(pp, dp, cp, tp)[p, d, c, t] == r`: consecutive ranks
+    differ in tp first, then cp, then dp, then pp. Megatron's own example, 16 GPUs, tp=2 pp=4
+    (so dp=2): tp groups [0,1] [2,3] ...; dp groups [0,2] [1,3] [4,6] ...; pp groups
+    [0,4,8,12] [1,5,9,13] ... (megatron/core/parallel_state.py, initialize_model_parallel).
     """
 
     def __init__(self, dp=1, pp=1, cp=1, tp=1, *, world_size=None, rank=None, build_groups=None):
@@ -167,7 +172,7 @@ class ParallelGrid:
                 f"does not match world size {world_size}"
             )
         self.world_size = world_size
-        self.ranks = torch.arange(world_size).view(dp, pp, cp, tp)
+        self.ranks = torch.arange(world_size).view(pp, dp, cp, tp)
         where = (self.ranks == self.rank).nonzero()[0].tolist()
         self.coords = dict(zip(AXES, where))
         self.groups: dict[str, object] = {}

@@ -22,6 +22,7 @@ PEAK_BF16_FLOPS = {
     "H100 PCIe": 756e12,  # NVIDIA H100 datasheet
     "H100 NVL": 835e12,  # H100 NVL (per GPU)
     "H100": 989e12,  # H100 SXM5
+    "H200 NVL": 835e12,  # H200 NVL (PCIe card, lower power): 1,671 sparse = 835 dense
     "H200": 989e12,  # same compute die as H100 SXM
     "B200": 2250e12,  # NVIDIA DGX B200 datasheet, per GPU
     "A100": 312e12,  # NVIDIA A100 datasheet

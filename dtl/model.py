@@ -140,6 +140,8 @@ class GPT(nn.Module):
         """GPT-2 init from `seed` alone: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L))."""
         if any(p.is_meta for p in self.parameters()):
             return  # counting parameters on the meta device: nothing to fill
+        if self.cfg.tie_weights:  # to_empty() after a meta-device build unties them: re-tie
+            self.lm_head.weight = self.wte.weight
         gen = torch.Generator().manual_seed(seed)
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():  # tied lm_head is visited once, as wte

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -112,25 +113,39 @@ def run_env() -> dict[str, str]:
 def execute(lesson: Lesson, run: Run, gpu: bool = False, extra_args: str = "") -> Result:
     line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
     start = time.monotonic()
+    proc = subprocess.Popen(
+        line,
+        shell=True,
+        cwd=REPO_ROOT,
+        env=run_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            line,
-            shell=True,
-            cwd=REPO_ROOT,
-            env=run_env(),
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=run.timeout_s,
-            start_new_session=True,
-        )
-        code, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        code, output = 124, out + f"\n[timed out after {run.timeout_s} s]"
+        output, _ = proc.communicate(timeout=run.timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        output, code = _stop(proc) + f"\n[timed out after {run.timeout_s} s]", 124
     seconds = time.monotonic() - start
     missing = [p for p in run.expect if not re.search(p, output, re.M)]
     return Result(lesson, run, code, seconds, output, missing)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """End a launch line that ran too long, workers included, and return what it printed.
+
+    torchrun starts its workers in sessions of their own: killing torchrun alone would orphan
+    them. SIGTERM lets its agent stop the workers; whatever is left is killed after 15 s.
+    """
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    return output or ""
 
 
 def main(argv: list[str] | None = None) -> int:

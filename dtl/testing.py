@@ -49,10 +49,10 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, timeout_s):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        out = fn(*args, **kwargs)
         # plain pickle, not torch's shared-memory handles: the rank may exit before we read it
-        results.put((rank, "ok", pickle.dumps(out)))
-        cleanup()
+        payload = pickle.dumps(fn(*args, **kwargs))
+        cleanup()  # before reporting "ok": a failing cleanup is reported as this rank's error
+        results.put((rank, "ok", payload))
     except BaseException:  # noqa: BLE001 - the whole point is to report anything
         results.put((rank, "error", traceback.format_exc()))
 
@@ -64,9 +64,8 @@ def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kw
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(
+            ctx.Process(  # not a daemon: a rank may start processes of its own (async checkpoints)
                 target=_worker,
-                daemon=True,
                 args=(r, world_size, store_path, fn, args, kwargs, results, timeout_s),
             )
             for r in range(world_size)

@@ -70,3 +70,27 @@ def test_bus_factors_are_the_nccl_tests_ones():
     assert BUSBW_FACTOR["all_reduce"](8) == 2 * 7 / 8
     assert BUSBW_FACTOR["all_gather"](8) == BUSBW_FACTOR["reduce_scatter"](8) == 7 / 8
     assert BUSBW_FACTOR["broadcast"](8) == 1.0
+
+
+def _count_batched_p2p_and_mixed_groups():
+    grid = ParallelGrid(dp=2, tp=2)  # 4 ranks: tp and dp groups of 2
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with CommCounter() as comm:
+        # P2POp checks that op is the real isend/irecv: this must work inside the counter
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(3), (rank + 1) % n),
+            dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % n),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        dist.all_reduce(torch.ones(100), group=grid.tp_group)  # n = 2: factor 1
+        dist.all_reduce(torch.ones(100))  # n = 4: factor 1.5
+        dist.all_gather_single(torch.empty(4 * 10), torch.ones(10))
+    return dict(comm.calls), dict(comm.bytes), comm.ring_bytes_per_rank("all_reduce")
+
+
+def test_counter_sees_batched_p2p_and_weights_each_call_by_its_own_group():
+    calls, nbytes, ring_ar = run_distributed(_count_batched_p2p_and_mixed_groups, world_size=4)[0]
+    assert calls == {"send": 1, "recv": 1, "all_reduce": 2, "all_gather": 1}
+    assert nbytes == {"send": 12, "recv": 12, "all_reduce": 800, "all_gather": 160}
+    assert ring_ar == pytest.approx(400 * 1.0 + 400 * 1.5)

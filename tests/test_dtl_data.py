@@ -96,3 +96,23 @@ def test_a_hub_dataset_name_offline_is_a_one_line_error_not_a_retry_loop(monkeyp
     with pytest.raises(data.DataError, match="could not load dataset 'nobody/no-such-set'") as err:
         data.load_text("nobody/no-such-set")
     assert "\n" not in str(err.value)
+
+
+def test_every_start_offset_is_reachable_and_a_too_short_corpus_is_an_error():
+    tokens = np.arange(9, dtype=np.uint16)  # seq_len 8 needs 9 tokens: exactly one row fits
+    x, y = data.get_batch(tokens, 8, 3, seed=0, step=0)
+    assert x[0].tolist() == list(range(8)) and y[0].tolist() == list(range(1, 9))
+    with pytest.raises(data.DataError, match="8 tokens cannot fill one sequence of 8 \\+ 1"):
+        data.get_batch(tokens[:8], 8, 1, seed=0, step=0)
+
+
+def test_an_edited_local_text_file_is_tokenized_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTL_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be")
+    first = data.load_corpus(str(text), tokenizer="byte", val_fraction=0.0)
+    text.write_text("that is the question, longer")
+    os.utime(text, ns=(1, 2))  # a different mtime even on coarse-grained file systems
+    again = data.load_corpus(str(text), tokenizer="byte", val_fraction=0.0)
+    assert bytes(again.train.tolist()).decode() == "that is the question, longer"
+    assert len(first.train) != len(again.train)

@@ -12,22 +12,30 @@ from dtl.dist import ParallelGrid, choose_backend
 from dtl.testing import run_distributed
 
 
-def test_grid_puts_tp_innermost_then_cp_pp_dp_like_megatron():
+def test_grid_puts_tp_innermost_then_cp_dp_pp_like_megatron():
     grid = ParallelGrid(dp=2, pp=2, cp=1, tp=2, world_size=8, rank=5)
     assert grid.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert grid.group_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert grid.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid.group_ranks("cp") == [[r] for r in range(8)]
-    assert (grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank) == (1, 0, 0, 1)
-    assert grid.ranks_along("pp") == [5, 7] and grid.tp_size == 2
-    assert str(grid) == "TP(2)-CP(1)-PP(2)-DP(2) rank 5: dp=1, pp=0, cp=0, tp=1"
+    assert (grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank) == (0, 1, 0, 1)
+    assert grid.ranks_along("pp") == [1, 5] and grid.tp_size == 2
+    assert str(grid) == "TP(2)-CP(1)-DP(2)-PP(2) rank 5: pp=1, dp=0, cp=0, tp=1"
+
+
+def test_grid_reproduces_megatrons_16_gpu_example():
+    # megatron/core/parallel_state.py, initialize_model_parallel docstring: tp=2, pp=4 on 16 GPUs
+    grid = ParallelGrid(dp=2, pp=4, tp=2, world_size=16, rank=0)
+    assert grid.group_ranks("tp")[:2] == [[0, 1], [2, 3]]
+    assert grid.group_ranks("dp")[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert grid.group_ranks("pp")[:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
 
 
 def test_grid_coordinates_are_a_bijection_for_every_rank():
     seen = set()
     for rank in range(24):
         g = ParallelGrid(dp=2, pp=3, cp=2, tp=2, world_size=24, rank=rank)
-        coords = (g.dp_rank, g.pp_rank, g.cp_rank, g.tp_rank)
+        coords = (g.pp_rank, g.dp_rank, g.cp_rank, g.tp_rank)  # the grid's (outer..inner) order
         assert g.ranks[coords].item() == rank
         seen.add(coords)
     assert len(seen) == 24
@@ -69,7 +77,10 @@ def test_init_works_as_a_plain_one_process_run():
         "t = torch.ones(2); td.all_reduce(t); "
         "print(i.rank, i.world_size, i.backend, i.device, t.tolist()); d.cleanup()"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "DTL_BACKEND": "gloo"}  # the expected line says gloo, GPUs or not
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0 1 gloo cpu [1.0, 1.0]"
 

@@ -56,3 +56,22 @@ def test_step_logger_writes_log_txt_and_tensorboard_scalars(tmp_path, capsys):
     acc.Reload()
     assert [e.value for e in acc.Scalars("loss/train")] == [3.0, 2.0, 1.0]
     assert acc.Scalars("perf/mfu")[0].value == pytest.approx(0.012)
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_table_matches_device_names_most_specific_first(monkeypatch, name, peak):
+    monkeypatch.delenv("DTL_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(metrics.torch.cuda, "get_device_name", lambda device=None: name)
+    assert metrics.peak_flops("cuda:0") == peak

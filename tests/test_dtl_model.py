@@ -85,3 +85,15 @@ def test_bad_model_shapes_are_one_line_errors():
         preset("huge")
     with pytest.raises(ValueError, match="sequence of 33 exceeds block_size 32"):
         GPT(preset("tiny"))(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_a_meta_device_build_materialized_later_equals_the_eager_build_and_stays_tied():
+    cfg = preset("tiny")
+    with torch.device("meta"):
+        model = GPT(cfg, seed=3)
+    model.to_empty(device="cpu")  # what FSDP2 / DCP flows do before filling the weights
+    model.reset_parameters(seed=3)
+    assert model.lm_head.weight is model.wte.weight
+    eager = GPT(cfg, seed=3).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, eager[name]), name

@@ -6,6 +6,8 @@ This is what keeps the README honest: a documented launch line is a tested launc
 import importlib.util
 import re
 import shlex
+import subprocess
+import time
 
 import pytest
 
@@ -63,3 +65,17 @@ def test_tour_table_shows_summary_pass_and_fail():
     text = tour.table([ok, bad])
     assert "5/5 checks passed" in text and "PASS" in text
     assert "(no summary line)" in text and "FAIL" in text
+
+
+def test_a_launch_line_that_times_out_leaves_no_workers_behind():
+    lesson = next(x for x in LESSONS if x.day == 15)
+    run = next(r for r in lesson.runs if r.name == "ddp_mnist")
+    slow = registry.Run(run.name, run.cpu, run.gpu, run.expect, timeout_s=8)
+    result = registry.execute(lesson, slow)
+    assert result.returncode == 124 and "[timed out after 8 s]" in result.output
+    for _ in range(20):  # torchrun's workers live in their own sessions: they must be gone too
+        alive = subprocess.run(["pgrep", "-f", "day15_collectives.ddp_mnist"], capture_output=True)
+        if alive.returncode == 1:
+            break
+        time.sleep(0.5)
+    assert alive.returncode == 1, f"orphaned workers: {alive.stdout}"
