@@ -99,7 +99,7 @@ def critical_bytes(
     share C cores: max(busiest rank's sent + received, all ranks' sent + received / C)."""
     if algo == "ring":
         c = math.ceil(numel / n) * elem  # every rank sends and receives one chunk per round
-        per_round = c if cores is None else max(2 * c, 2 * n * c / cores)
+        per_round = c * ring_factor(n, cores)
         return 2 * (n - 1), int(2 * (n - 1) * per_round)
     per = chunk_bytes // elem
     plans = []
@@ -187,9 +187,15 @@ def best_chunks(
     )
 
 
-def ring_time(alpha: float, beta: float, nbytes: float, n: int) -> float:
-    """Closed form: 2(n-1) * (alpha + S/(n beta))."""
-    return 2 * (n - 1) * (alpha + nbytes / (n * beta))
+def ring_factor(n: int, cores: int | None = None) -> float:
+    """Bytes per round on the bottleneck, in chunks of S/n: 1 on links; on C shared CPU cores
+    max(2, 2n/C) (a chunk is sent and received, and n ranks share C cores): critical_bytes' ring."""
+    return 1.0 if cores is None else max(2.0, 2 * n / cores)
+
+
+def ring_time(alpha: float, beta: float, nbytes: float, n: int, cores: int | None = None) -> float:
+    """Closed form: 2(n-1) * (alpha + f S/(n beta)), f = ring_factor(n, cores)."""
+    return 2 * (n - 1) * (alpha + ring_factor(n, cores) * nbytes / (n * beta))
 
 
 def crossover_bytes(

@@ -97,7 +97,7 @@ def main() -> None:
     cfg = dtl_config.parse(Config)  # bad input exits here, before any collective
     gpus = torch.cuda.device_count()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    use_nccl = gpus >= local and gpus > 0
+    use_nccl = dtl_dist.choose_backend(local) == "nccl"  # the kit's rule (and DTL_BACKEND)
     os.makedirs(cfg.out_dir, exist_ok=True)
     env = nccl_env(cfg.out_dir) if use_nccl else {}
     info = dtl_dist.init(backend="nccl" if use_nccl else "gloo")

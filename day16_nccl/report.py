@@ -118,8 +118,7 @@ def _closed_form(
     algo: str, alpha: float, beta: float, nbytes: int, n: int, chunk: int, cores: int | None
 ) -> str:
     if algo == "ring":
-        f = 1 if cores is None else max(2, 2 * n / cores)
-        t = 2 * (n - 1) * (alpha + f * nbytes / (n * beta))
+        f, t = cost_model.ring_factor(n, cores), cost_model.ring_time(alpha, beta, nbytes, n, cores)
         return f"2(n-1)(a + {f:g} S/(n b)) = {t * 1e6:.0f} us"
     k, d = cost_model.pipeline_shape(algo, nbytes, n, chunk)
     k_opt = cost_model.best_chunks(alpha, beta, algo, nbytes, n, cores)

@@ -31,6 +31,7 @@ from day17_ddp import observe
 from day17_ddp.ddp_manual import SyncError, check_sync_args, wrap
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.comm import BUSBW_FACTOR
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
@@ -219,7 +220,7 @@ def report(cfg: Config, info, result: dict) -> None:
         f"all-reduced per step S = {S:,} bytes = 4 bytes x {result['n_params']:,} "
         f"params"
         f" ({'ok' if S == 4 * result['n_params'] else 'MISMATCH'}); ring traffic per "
-        f"rank 2(n-1)/n x S = {2 * (n - 1) / n * S / 1e6:.1f} MB at n={n}"
+        f"rank 2(n-1)/n x S = {BUSBW_FACTOR['all_reduce'](n) * S / 1e6:.1f} MB at n={n}"
     )
     parts = med["fwd_ms"] + med["bwd_compute_ms"] + med["blocked_ms"]
     dtl_dist.print0(

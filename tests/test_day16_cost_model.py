@@ -114,3 +114,11 @@ def test_fit_never_returns_a_negative_latency_or_bandwidth():
         )
 
     assert loss(beta) <= min(loss(beta * 1.01), loss(beta * 0.99))
+
+
+@pytest.mark.parametrize("n, cores", [(2, None), (4, None), (2, 2), (4, 2), (8, 2)])
+def test_ring_closed_form_equals_the_schedule_model(n, cores):
+    # the printed closed form and critical_bytes must be one model (sizes divisible by n: no ceil)
+    alpha, beta, nbytes = 200e-6, 3e9, 2**24
+    predicted = cost_model.predict(alpha, beta, "ring", nbytes, n, 4, cores=cores)
+    assert cost_model.ring_time(alpha, beta, nbytes, n, cores) == pytest.approx(predicted)

@@ -75,3 +75,8 @@ def test_peak_table_matches_device_names_most_specific_first(monkeypatch, name, 
     monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(metrics.torch.cuda, "get_device_name", lambda device=None: name)
     assert metrics.peak_flops("cuda:0") == peak
+
+
+def test_memory_stats_on_cpu_report_the_process_peak_rss():
+    stats = metrics.memory_stats("cpu")
+    assert list(stats) == ["max_rss_mib"] and 10 < stats["max_rss_mib"] < 24 * 1024
