@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
-from dtl.model import GPT, preset
+from dtl.model import GPT, loss_fn, preset
 
 STEPS, B_PER_GPU, T = 6, 8, 128
 
@@ -41,8 +41,7 @@ def cannot_run_reason() -> str | None:
 
 
 def step(model, opt, x, y) -> float:
-    _, loss = model(x, y)  # loss: one scalar per GPU, gathered on GPU 0 as a vector
-    loss = loss.mean()  # equal chunks: the mean of per-GPU means is the global mean
+    loss = loss_fn(model(x), y)  # logits of every chunk gathered on GPU 0, then one mean
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """Day 17: what DDP does between loss.backward() and optimizer.step(), written by hand.
 
 Three gradient-sync strategies for any module (the shared GPT included), each a drop-in wrapper
-used exactly like torch's DDP: `loss = model(x, y)[1]; loss.backward(); opt.step()`.
+used exactly like torch's DDP: `loss_fn(model(x), y).backward(); opt.step()`.
 
     naive    after backward, one blocking all-reduce per gradient: nothing overlaps
     overlap  a hook on every parameter launches an async all-reduce the moment its grad is ready

@@ -34,7 +34,7 @@ from dtl import dist as dtl_dist
 from dtl.comm import BUSBW_FACTOR
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PRESETS, loss_fn, preset
 
 
 @dataclass
@@ -118,7 +118,7 @@ def train_step(model, opt, tokens, cfg: Config, step: int, info) -> dict:
         rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
         t0 = time.perf_counter()
         with record_function("forward"):
-            _, loss = model(x[rows], y[rows])
+            loss = loss_fn(model(x[rows]), y[rows])
         t1 = time.perf_counter()
         with record_function("backward"):
             (loss / cfg.grad_accum).backward()  # the last one all-reduces, inside backward

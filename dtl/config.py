@@ -2,30 +2,49 @@
 
     @dataclass
     class Config:
-        lr: float = 1e-3          # a field's comment is its documentation
+        lr: float = 1e-3  # AdamW learning rate      <- a field's comment is its --help line
         out_dir: str = "outputs/day15_collectives/ddp_mnist"
 
-    cfg = parse(Config)           # reads sys.argv: [--config f.toml] [--key=value ...]
+    cfg = parse(Config)  # reads sys.argv: [--config f.toml] [--key=value ...] [--help]
 
-An unknown key or a value of the wrong type is a one-line error that lists the valid keys, raised
-before the script touches a process group (nanoGPT's configurator does the same, more bluntly).
+Everything here runs before the script touches a process group, so bad input never reaches a
+collective:
+- `--help` / `-h` prints every field with its type, default and comment, and exits 0;
+- an unknown key or a value of the wrong type is a one-line error listing the valid keys;
+- values are checked by name, once for every script (`RULES`): learning rates finite and > 0,
+  counts >= 1, fractions in [0, 1], percentages in [0, 100], every float finite, `out_dir`
+  created and writable; then the dataclass's own `validate()` runs, if it has one.
+Errors exit with code 2 and one line on stderr (nanoGPT's configurator does the same, more
+bluntly). Why not tyro (torchtitan's choice)? It builds the same command line from dataclasses,
+but its syntax is `--lr 1e-3`, it has no TOML layer, and its errors are multi-line panels: we keep
+the small parser the days already share.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
+import math
 import os
+import re
 import sys
+import tempfile
+import textwrap
 import tomllib
 import types
 import typing
 
-from dtl.dist import get_rank
+from dtl.dist import exit_with_error, get_rank  # noqa: F401 (re-exported for the days)
 
 
 class ConfigError(ValueError):
     """Bad config input; the message is one line, fit for the user."""
+
+
+class HelpRequested(Exception):
+    """--help was given; the message is the help text."""
 
 
 def _field_types(cls) -> dict[str, type]:
@@ -33,10 +52,14 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _type_name(t) -> str:
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(t))
+    return "None" if t is type(None) else getattr(t, "__name__", str(t))
+
+
 def _valid_keys(cls) -> str:
-    return ", ".join(
-        f"{k} ({t.__name__ if hasattr(t, '__name__') else t})" for k, t in _field_types(cls).items()
-    )
+    return ", ".join(f"{k} ({_type_name(t)})" for k, t in _field_types(cls).items())
 
 
 def _coerce(key: str, value, typ):
@@ -81,9 +104,117 @@ def _apply(cfg, updates: dict, source: str):
     return cfg
 
 
+# --- checks every script gets, by field name ----------------------------------------------------
+
+COUNT_NAMES = {
+    "steps", "epochs", "batch_size", "seq_len", "grad_accum", "iters", "reps", "repeats",
+    "log_every", "micro_batches", "microbatches",
+}  # fmt: skip
+
+
+def _rule(name: str):
+    """(description, predicate) for a field name, or None when no shared rule applies."""
+    if name == "lr" or name.endswith("_lr"):
+        return "a finite number > 0", lambda v: math.isfinite(v) and v > 0
+    if name in COUNT_NAMES:
+        return "an integer >= 1", lambda v: v >= 1
+    if name.endswith(("_fraction", "_frac", "accuracy")):
+        return "a fraction in [0, 1]", lambda v: 0 <= v <= 1
+    if name.endswith(("_pct", "_percent")):
+        return "a percentage in [0, 100]", lambda v: 0 <= v <= 100
+    return None
+
+
+def check_values(cfg) -> None:
+    """The shared numeric checks: by-name rules and finite floats."""
+    for key, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, bool) or value is None:
+            continue
+        rule = _rule(key)
+        if rule and isinstance(value, (int, float)) and not rule[1](value):
+            raise ConfigError(f"config key '{key}' must be {rule[0]}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+
+
+def ensure_writable_dir(path: str, key: str = "out_dir") -> None:
+    """Create `path` if needed and prove it is writable, or raise a one-line ConfigError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"{key} '{path}' is not a writable folder: {reason}") from None
+
+
+# --- --help -----------------------------------------------------------------------------------
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Each field's documentation: its trailing `# comment`, or the comment lines just above it."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            line = lines[node.end_lineno - 1]
+            trailing = re.search(r"#\s*(.*)$", line[node.end_col_offset :])
+            above = []
+            k = node.lineno - 2
+            while k >= 0 and lines[k].strip().startswith("#"):
+                above.insert(0, lines[k].strip().lstrip("#").strip())
+                k -= 1
+            docs[node.target.id] = trailing.group(1) if trailing else " ".join(above)
+    return docs
+
+
+def help_text(cls, prog: str | None = None, description: str | None = None) -> str:
+    prog = prog or _program_name()
+    description = description if description is not None else _main_description()
+    types_ = _field_types(cls)
+    docs = field_comments(cls)
+    defaults = dataclasses.asdict(cls())
+    rows = [
+        (f"--{k}={_type_name(t).upper() if t is not bool else '{true,false}'}",
+         f"{docs.get(k, '')} (default: {defaults[k]!r})".strip())
+        for k, t in types_.items()
+    ]  # fmt: skip
+    width = max(len(r[0]) for r in rows)
+    body = "\n".join(f"  {flag:<{width}}  {doc}" for flag, doc in rows)
+    head = f"usage: {prog} [--config FILE.toml] [--key=value ...]"
+    return (
+        f"{head}\n\n{description}\n\n"
+        f"options (a TOML file sets the same keys; --key=value overrides it):\n"
+        f"  {'--config FILE.toml':<{width}}  read defaults from a TOML file\n"
+        f"  {'-h, --help':<{width}}  show this message and exit\n{body}"
+    )
+
+
+def _program_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name}"
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script"
+
+
+def _main_description() -> str:
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    return doc.strip().split("\n\n")[0]
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
 def load(cls, argv: list[str] | None = None):
     """Build a `cls` instance from defaults, `--config FILE` (TOML) and `--key=value` arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        raise HelpRequested(help_text(cls))
     cfg = cls()
     overrides: dict[str, str] = {}
     config_file = None
@@ -91,7 +222,7 @@ def load(cls, argv: list[str] | None = None):
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}'; use --key=value")
+            raise ConfigError(f"unexpected argument '{arg}'; use --key=value (or --help)")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
         if not eq:  # `--config f.toml` or a bare boolean flag `--compile`
@@ -106,33 +237,36 @@ def load(cls, argv: list[str] | None = None):
             overrides[key] = value
         i += 1
     if config_file is not None:
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"config file not found: {config_file}")
-        with open(config_file, "rb") as f:
-            try:
-                table = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {config_file} is not valid TOML: {e}") from None
-        _apply(cfg, table, config_file)
+        _apply(cfg, _read_toml(config_file), config_file)
     _apply(cfg, overrides, "the command line")
+    check_values(cfg)
     if hasattr(cfg, "validate"):
-        cfg.validate()
+        cfg.validate()  # the script's own checks; it may also fill in a default out_dir
+    if getattr(cfg, "out_dir", None):
+        ensure_writable_dir(cfg.out_dir)
     return cfg
 
 
+def _read_toml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
 def parse(cls, argv: list[str] | None = None):
-    """`load`, but bad input exits with one line on stderr (exit code 2), not a traceback."""
+    """`load`, but --help prints and exits 0, and bad input exits with one line (exit code 2)."""
     try:
         return load(cls, argv)
+    except HelpRequested as h:
+        if get_rank() == 0:
+            print(h, flush=True)
+        raise SystemExit(0) from None
     except ConfigError as e:
         exit_with_error(e)
-
-
-def exit_with_error(error: Exception | str) -> None:
-    """Bad user input: one line `error: ...` on stderr (rank 0), exit code 2 on every rank."""
-    if get_rank() == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
 
 
 def to_dict(cfg) -> dict:

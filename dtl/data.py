@@ -234,18 +234,87 @@ def get_batch(
     step: int,
     dp_rank: int = 0,
     dp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    cp_split: str = "contiguous",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This DP rank's (x, y), each (batch_size, seq_len) int64; y is x shifted by one token.
+    """This rank's (x, y), each (batch_size, seq_len / cp_size) int64; y is x shifted by one.
 
-    The global batch holds dp_size * batch_size sequences; rank r takes rows
+    Data parallel: the global batch holds dp_size * batch_size sequences; DP rank r takes rows
     [r * batch_size, (r + 1) * batch_size). So one process with batch_size = B * dp_size sees,
     row for row, what dp_size ranks with batch_size = B see together.
+    Context parallel: each of those rows is then cut along the sequence (`cp_shard`); the
+    tokens' positions are `cp_positions(seq_len, cp_rank, cp_size, cp_split)`.
     """
+    n_chunks = _n_chunks(seq_len, cp_size, cp_split)  # bad cp sizes fail before any work
     offsets = batch_offsets(len(tokens), seq_len, dp_size * batch_size, seed, step)
     mine = offsets[dp_rank * batch_size : (dp_rank + 1) * batch_size]
     rows = np.stack([tokens[o : o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
     rows = torch.from_numpy(rows)
-    return rows[:, :-1], rows[:, 1:]
+    x, y = rows[:, :-1], rows[:, 1:]
+    if n_chunks == 1:
+        return x, y
+    return cp_shard(x, cp_rank, cp_size, cp_split), cp_shard(y, cp_rank, cp_size, cp_split)
+
+
+# --- context parallelism: which tokens of a sequence each cp rank holds ------------------------
+
+CP_SPLITS = ("contiguous", "zigzag")
+
+
+def _check_split(split: str) -> None:
+    if split not in CP_SPLITS:
+        raise DataError(f"unknown cp split '{split}'; choose one of {', '.join(CP_SPLITS)}")
+
+
+def cp_chunks(cp_rank: int, cp_size: int, split: str = "contiguous") -> list[int]:
+    """The chunk indices rank `cp_rank` holds, in order.
+
+    contiguous  the sequence cut in cp_size chunks; rank r holds chunk r. With a causal mask the
+                last rank attends to the whole sequence and the first to its own chunk only.
+    zigzag      the sequence cut in 2·cp_size chunks; rank r holds chunks r and 2·cp_size−1−r,
+                one early and one late, so every rank does the same attention work (Megatron
+                and ring-flash-attention's zig-zag; hence Megatron's seq_len % (2·cp) == 0).
+    """
+    _check_split(split)
+    if not 0 <= cp_rank < cp_size:
+        raise DataError(f"cp_rank {cp_rank} is not in [0, cp_size={cp_size})")
+    return [cp_rank] if split == "contiguous" else [cp_rank, 2 * cp_size - 1 - cp_rank]
+
+
+def _n_chunks(seq_len: int, cp_size: int, split: str) -> int:
+    _check_split(split)
+    if cp_size < 1:
+        raise DataError(f"cp_size must be >= 1, got {cp_size}")
+    n = cp_size if split == "contiguous" else 2 * cp_size
+    if seq_len % n:
+        raise DataError(
+            f"seq_len {seq_len} is not divisible by {n} ({split} split over cp_size {cp_size}"
+            f"{' needs 2·cp chunks' if split == 'zigzag' else ''})"
+        )
+    return n
+
+
+def cp_shard(t: torch.Tensor, cp_rank: int, cp_size: int, split: str = "contiguous", dim: int = 1):
+    """This rank's tokens of `t` along `dim` (the sequence): (.., T, ..) -> (.., T/cp, ..)."""
+    chunks = t.chunk(_n_chunks(t.size(dim), cp_size, split), dim)
+    return torch.cat([chunks[i] for i in cp_chunks(cp_rank, cp_size, split)], dim)
+
+
+def cp_unshard(shards: list[torch.Tensor], split: str = "contiguous", dim: int = 1):
+    """The inverse of cp_shard: every rank's shard (in cp-rank order) -> the full sequence."""
+    cp_size = len(shards)
+    pieces: dict[int, torch.Tensor] = {}
+    for r, shard in enumerate(shards):
+        ids = cp_chunks(r, cp_size, split)
+        for i, piece in zip(ids, shard.chunk(len(ids), dim)):
+            pieces[i] = piece
+    return torch.cat([pieces[i] for i in sorted(pieces)], dim)
+
+
+def cp_positions(seq_len: int, cp_rank: int = 0, cp_size: int = 1, split: str = "contiguous"):
+    """(seq_len / cp_size,) int64 position ids of the tokens rank `cp_rank` holds."""
+    return cp_shard(torch.arange(seq_len), cp_rank, cp_size, split, dim=0)
 
 
 # --- MNIST -----------------------------------------------------------------------------------

@@ -1,18 +1,36 @@
-"""The small GPT every later day parallelizes: nanoGPT's shape, seed-only init, swappable attention.
+"""The small GPT every later day parallelizes: nanoGPT's shape, per-parameter init, a TP plan.
 
 Module names follow nanoGPT / GPT-2 so readers can map them onto checkpoints and papers:
-`wte`, `wpe`, `blocks[i].ln_1`, `blocks[i].attn.c_attn` (fused QKV), `blocks[i].attn.c_proj`,
-`blocks[i].ln_2`, `blocks[i].mlp.c_fc`, `blocks[i].mlp.c_proj`, `ln_f`, `lm_head` (tied to `wte`).
+`wte`, `wpe`, `blocks.<i>.ln_1`, `blocks.<i>.attn.c_attn` (fused QKV), `.attn.c_proj`,
+`blocks.<i>.ln_2`, `.mlp.c_fc`, `.mlp.c_proj`, `ln_f`, `lm_head` (tied to `wte`).
 
-- `blocks` is a ModuleList: a pipeline stage takes a slice (`embed` -> blocks[a:b] -> `head`).
+What makes it ready to be split:
+- `blocks` is a ModuleDict keyed "0".."L-1" (torchtitan's choice): a pipeline stage deletes the
+  blocks it does not own and sets `wte`/`wpe` or `ln_f`/`lm_head` to None, and every remaining
+  parameter keeps its one-process name (`blocks.5.mlp.c_fc.weight`), which is what per-parameter
+  init and distributed checkpoints key on. `forward` skips the pieces a stage does not hold.
+- Attention reads its local head count from the width of `c_attn`, so a `c_attn` holding one
+  tensor-parallel rank's heads (Q, K and V each split by heads: `TP_PLAN`) runs unchanged.
 - Attention is a plain function `attn_fn(q, k, v) -> y` on (B, nh, T, hs) tensors, causal: ring
   attention (day 21) plugs in with `model.set_attention(fn)`.
-- The init is a pure function of `seed` (a private generator, parameters visited by name), so a
-  1-rank reference and an N-rank run start from bit-identical weights whatever the world size.
+- Every parameter's initial value is a pure function of `(seed, its name)` (`init_tensor`), so a
+  stage, a TP shard or a ZeRO-3 shard built on the meta device can materialize only its own
+  parameters and equal the one-process model bit for bit, whatever the world size.
+- The loss is outside `forward` (`loss_fn`), and `forward`/`embed` take position ids, so a
+  context-parallel rank can hold non-contiguous (zig-zag) chunks of the sequence and a
+  vocabulary-parallel loss can replace the plain one.
+
+Presets. `tiny` is for the many multi-rank tests. Its attention key bias has a gradient that is
+zero in exact arithmetic (q·b_k is the same for every key, and softmax ignores a constant), so in
+floating point it is pure rounding noise; SGD moves it by ~lr·1e-9, but Adam divides by sqrt(v)
+and turns that noise into lr-sized steps that differ between a parallel run and its reference.
+`tiny-nobias` (no biases, as in many modern GPTs) has no such parameter: use it for Adam checks.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,6 +39,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+GPT2_VOCAB_SIZE = 50257  # the real GPT-2 BPE vocabulary: the size the notes count
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = 1, tp_size: int = 1) -> int:
+    """Round the vocabulary up to a multiple of `multiple * tp_size`.
+
+    Megatron's --make-vocab-size-divisible-by (default 128, times the TP size, so every TP rank
+    holds an equal, aligned slice of the embedding); nanoGPT pads 50,257 to 50,304 (= 64 · 786)
+    for faster matmuls. The extra rows are never a target, so they only cost memory.
+    """
+    if min(vocab_size, multiple, tp_size) < 1:
+        raise ValueError(
+            f"vocab_size, multiple and tp_size must be >= 1, got {vocab_size}, "
+            f"{multiple}, {tp_size}"
+        )
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -28,7 +64,7 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     block_size: int = 32  # the longest sequence (positions in wpe)
-    vocab_size: int = 256
+    vocab_size: int = 256  # rows of wte: the tokenizer's vocabulary, possibly padded
     bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
     dropout: float = 0.0
     tie_weights: bool = True  # lm_head shares wte's weight, as in GPT-2
@@ -45,12 +81,22 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     # tests: fast enough to run dozens of multi-rank checks on 2 CPU cores
     "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256),
-    # CPU demos: the real GPT-2 vocabulary (padded to a multiple of 64, as nanoGPT does)
-    "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=50304),
+    # tests with Adam: no bias anywhere, so no gradient is rounding noise (module docstring)
+    "tiny-nobias": GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, bias=False
+    ),
+    # CPU demos: the real GPT-2 vocabulary, padded to a multiple of 64 as nanoGPT does (50,304)
+    "small": GPTConfig(
+        n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=pad_vocab_size(50257, 64)
+    ),
     # GPT-2 small (Radford et al. 2019): 124,439,808 parameters with tied embeddings
-    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
+    "gpt2-124m": GPTConfig(
+        n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=GPT2_VOCAB_SIZE
+    ),
     # GPT-3 Small (Brown et al. 2020, Table 2.1): same trunk, context 2048 -> 125,226,240
-    "gpt3-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=2048, vocab_size=50257),
+    "gpt3-125m": GPTConfig(
+        n_layer=12, n_head=12, n_embd=768, block_size=2048, vocab_size=GPT2_VOCAB_SIZE
+    ),
 }
 
 
@@ -59,6 +105,61 @@ def preset(name: str, **overrides) -> GPTConfig:
         raise ValueError(f"unknown GPT preset '{name}'; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
+
+# --- the tensor-parallel plan: one declaration read by the TP, SP and checkpoint days ------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How a module's weight (and bias) is split over tensor-parallel ranks.
+
+    column  Linear, output features split: weight rows (dim 0) and bias; Y_t = X A_t
+    row     Linear, input features split: weight columns (dim 1); the partial outputs are summed
+            (all-reduce), so the bias is added once, after the sum: not split
+    vocab   Embedding (or the output layer) with the vocabulary split: rows (dim 0)
+    `blocks` > 1: the output is several tensors side by side (the fused QKV: 3), each split on
+    its own, so a rank holds [Q_t; K_t; V_t], i.e. whole heads of each.
+    """
+
+    style: str
+    blocks: int = 1
+
+
+TP_PLAN: dict[str, Shard] = {
+    "wte": Shard("vocab"),
+    "blocks.*.attn.c_attn": Shard("column", blocks=3),  # fused Q, K, V: split by heads
+    "blocks.*.attn.c_proj": Shard("row"),
+    "blocks.*.mlp.c_fc": Shard("column"),
+    "blocks.*.mlp.c_proj": Shard("row"),
+    "lm_head": Shard("vocab"),  # column-parallel over the vocabulary (tied to wte)
+}  # not listed (wpe, ln_1, ln_2, ln_f): replicated on every TP rank
+
+
+def tp_shard_of(module_name: str) -> Shard | None:
+    """The plan's entry for a module name, or None when the module is replicated."""
+    return next((s for pat, s in TP_PLAN.items() if fnmatch.fnmatchcase(module_name, pat)), None)
+
+
+def shard_tensor(
+    full: torch.Tensor, shard: Shard, is_bias: bool, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """Rank `tp_rank`'s piece of a full weight or bias under `shard` (a copy)."""
+    if shard.style == "row":
+        return full.clone() if is_bias else _split(full, 1, 1, tp_rank, tp_size)
+    return _split(full, 0, shard.blocks, tp_rank, tp_size)
+
+
+def _split(t: torch.Tensor, dim: int, blocks: int, rank: int, size: int) -> torch.Tensor:
+    if t.size(dim) % (blocks * size):
+        raise ValueError(
+            f"dimension {dim} of size {t.size(dim)} does not split into {blocks} block(s) x "
+            f"{size} ranks"
+        )
+    pieces = [b.chunk(size, dim)[rank] for b in t.chunk(blocks, dim)]
+    return torch.cat(pieces, dim).clone()
+
+
+# --- the model --------------------------------------------------------------------------------
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -80,20 +181,26 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # fused Q, K, V
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_fn: AttentionFn = sdpa_attention
 
+    @property
+    def n_local_heads(self) -> int:
+        """Heads this module holds: all of them, or one TP rank's share (c_attn split by heads)."""
+        return self.c_attn.out_features // (3 * self.head_dim)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hs): heads become a batch dimension
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        nh, hs = self.n_local_heads, self.head_dim
+        q, k, v = self.c_attn(x).split(nh * hs, dim=2)  # 3 x (B, T, nh*hs)
+        # (B, T, nh*hs) -> (B, nh, T, hs): heads become a batch dimension
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
         y = self.attn_fn(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
+        return self.resid_dropout(self.c_proj(y))  # under TP: a partial sum, (B, T, C)
 
 
 class MLP(nn.Module):
@@ -125,61 +232,123 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.seed = seed
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.reset_parameters(seed)
 
-    @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        """GPT-2 init from `seed` alone: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L))."""
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Fill every parameter from (seed, its name); a no-op on the meta device."""
+        self.seed = self.seed if seed is None else seed
         if any(p.is_meta for p in self.parameters()):
-            return  # counting parameters on the meta device: nothing to fill
-        if self.cfg.tie_weights:  # to_empty() after a meta-device build unties them: re-tie
-            self.lm_head.weight = self.wte.weight
-        gen = torch.Generator().manual_seed(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, p in self.named_parameters():  # tied lm_head is visited once, as wte
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln_" in name or name.startswith("ln_f"):
-                p.fill_(1.0)
-            else:
-                std = resid_std if name.endswith("c_proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            return  # shapes only (counting, or before to_empty + materialize)
+        if self.cfg.tie_weights and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight  # to_empty() after a meta build unties them
+        init_parameters(self, self.seed, self.cfg.n_layer, tied=self.cfg.tie_weights)
 
     def set_attention(self, attn_fn: AttentionFn) -> None:
-        for block in self.blocks:
+        for block in self.blocks.values():
             block.attn.attn_fn = attn_fn
 
     # --- the three pieces a pipeline stage composes -----------------------------------------
-    def embed(self, idx: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) hidden states."""
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids, optional (T,) or (B, T) position ids -> (B, T, C) hidden states."""
         T = idx.size(1)
-        if pos_offset + T > self.cfg.block_size:
-            raise ValueError(
-                f"sequence of {pos_offset + T} exceeds block_size {self.cfg.block_size}"
-            )
-        pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
+        if pos is None:
+            if T > self.cfg.block_size:
+                raise ValueError(f"sequence of {T} exceeds block_size {self.cfg.block_size}")
+            pos = torch.arange(T, device=idx.device)
+        elif pos.size(-1) != T:
+            raise ValueError(f"position ids cover {pos.size(-1)} tokens but the input has {T}")
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, vocab) logits."""
         return self.lm_head(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.embed(idx)
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids -> logits; a pipeline stage without wte takes and/or returns hidden states."""
+        if self.wte is not None:
+            x = self.embed(x, pos)
+        for block in self.blocks.values():
             x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.head(x) if self.lm_head is not None else x
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over the tokens whose target is not `ignore_index`."""
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index
+    )
+
+
+# --- initialization: a pure function of (seed, parameter name) --------------------------------
+
+# what DDP, torch.compile, activation checkpointing and FSDP1 insert into parameter names
+_WRAPPERS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's one-process name, without the prefixes wrappers add (DDP, compile, ...)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def init_tensor(name: str, shape, seed: int, n_layer: int) -> torch.Tensor:
+    """The initial value of parameter `name` (GPT-2's init), from (seed, name) alone.
+
+    Biases 0, LayerNorm weights 1, residual projections (`c_proj.weight`) N(0, 0.02/sqrt(2L)),
+    every other weight N(0, 0.02). Full shape, fp32, on the CPU: a shard slices it.
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if name.startswith("ln_") or ".ln_" in name:
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_parameters(
+    module: nn.Module, seed: int, n_layer: int, prefix: str = "", tied: bool = False
+) -> None:
+    """Fill every parameter of `module` (named `prefix + name` in the one-process GPT).
+
+    `tied`: lm_head.weight is wte.weight in one process; a pipeline's last stage that holds its
+    own copy must start from wte's values, so its name is read as "wte.weight".
+    """
+    for name, p in module.named_parameters():  # a tied lm_head is visited once, as wte
+        full = canonical_name(prefix + name)
+        if tied and full == "lm_head.weight":
+            full = "wte.weight"
+        p.copy_(init_tensor(full, p.shape, seed, n_layer))
+
+
+def materialize(
+    module: nn.Module, seed: int, n_layer: int, prefix: str = "", device="cpu"
+) -> nn.Module:
+    """Allocate a meta-device module on `device` and fill it as the one-process GPT would be.
+
+    Only the parameters `module` holds are created: a pipeline stage, or one block, costs only
+    its own memory. A GPT with tied weights is re-tied first (to_empty unties them).
+    """
+    module.to_empty(device=device)
+    tied = isinstance(module, GPT) and module.cfg.tie_weights
+    if tied and module.wte is not None and module.lm_head is not None:
+        module.lm_head.weight = module.wte.weight
+    init_parameters(module, seed, n_layer, prefix, tied=tied)
+    return module
 
 
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------

@@ -9,6 +9,10 @@
 
 If any rank raises, the test fails at once with that rank's traceback, and the other ranks (which
 may be blocked in a collective waiting for the dead one) are killed, not left to time out.
+
+The other half of every check is the one-process reference: `reference_train` (the plain loop
+that a parallel run must reproduce), `params_gap` (max |difference| between two models) and
+`replica_gap` (are all ranks' copies identical?), used by every day's tests and scripts.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,3 +123,64 @@ def _reap(procs, grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+# --- the one-process reference and the checks every day compares against -----------------------
+
+
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of model(x) against y (the GPT's loss_fn; works for (B, classes) too)."""
+    from dtl.model import loss_fn
+
+    return loss_fn(model(x), y)
+
+
+def reference_train(
+    model: torch.nn.Module,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    loss: Callable = default_loss,
+) -> list[float]:
+    """`steps` plain training steps: the loop every parallel run is compared with.
+
+    `batch(step)` returns that step's (x, y). In one process it is the *global* batch (what all
+    ranks see together); a data-parallel rank may run this same loop on its own slice, with a
+    wrapped model, and must end where the one-process run ends. Returns the losses.
+    """
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(model, x, y)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+    return losses
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter, flattened and concatenated (a tied weight once), detached."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def params_gap(a, b) -> float:
+    """max |a - b| over all parameters of two modules (or state dicts) with the same names."""
+    sa = a if isinstance(a, dict) else dict(a.named_parameters())
+    sb = b if isinstance(b, dict) else dict(b.named_parameters())
+    if sa.keys() != sb.keys():
+        raise ValueError(f"parameter names differ: {sorted(sa.keys() ^ sb.keys())[:5]}")
+    return max((sa[k].detach().double() - sb[k].detach().double()).abs().max().item() for k in sa)
+
+
+def replica_gap(model: torch.nn.Module, group=None) -> float:
+    """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
+
+    Every rank of `group` must call it (a broadcast and an all_reduce).
+    """
+    flat = flat_params(model)
+    ref = flat.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    gap = (flat - ref).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
+    return gap.item()

@@ -1,4 +1,5 @@
-"""dtl.config: defaults -> TOML -> --key=value, and one-line errors for bad input."""
+"""dtl.config: defaults -> TOML -> --key=value, --help from the dataclass, the value checks every
+script gets, and one-line errors for bad input."""
 
 import json
 from dataclasses import dataclass
@@ -10,12 +11,15 @@ from dtl import config
 
 @dataclass
 class Cfg:
-    lr: float = 1e-3
-    steps: int = 10
+    lr: float = 1e-3  # AdamW learning rate
+    steps: int = 10  # optimizer steps
+    # the run's name,
+    # in two comment lines above the field
     name: str = "run"
     compile: bool = False
-    out_dir: str = "outputs/x"
-    ckpt: str | None = None
+    out_dir: str = ""  # where outputs go (empty: none)
+    ckpt: str | None = None  # a checkpoint to resume from
+    val_fraction: float = 0.1  # share of tokens held out
 
 
 def test_overrides_apply_in_order_defaults_then_toml_then_command_line(tmp_path):
@@ -70,4 +74,62 @@ def test_save_prints_and_writes_config_json_and_argv(tmp_path, capsys):
     config.save(cfg, str(tmp_path), argv=["--steps=7"])
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 7
     assert (tmp_path / "argv.txt").read_text().strip().endswith("--steps=7")
-    assert "steps   = 7" in capsys.readouterr().out
+    assert "  steps        = 7" in capsys.readouterr().out
+
+
+def test_help_lists_every_field_with_type_default_and_its_comment():
+    with pytest.raises(config.HelpRequested) as h:
+        config.load(Cfg, ["--steps=3", "--help"])
+    text = str(h.value)
+    assert "--config FILE.toml" in text and "-h, --help" in text
+    assert "--lr=FLOAT" in text and "AdamW learning rate (default: 0.001)" in text
+    assert "--compile={true,false}" in text and "(default: False)" in text
+    assert "the run's name, in two comment lines above the field (default: 'run')" in text
+    assert "--ckpt=STR | NONE" in text and "a checkpoint to resume from (default: None)" in text
+    assert all(f"--{k}=" in text for k in config.to_dict(Cfg()))
+
+
+def test_parse_answers_help_with_exit_0_on_stdout(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        config.parse(Cfg, ["-h"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: ") and out.err == ""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr=nan"], "config key 'lr' must be a finite number > 0, got nan"),
+        (["--lr=-1"], "config key 'lr' must be a finite number > 0, got -1.0"),
+        (["--lr=0"], "config key 'lr' must be a finite number > 0, got 0.0"),
+        (["--lr=inf"], "config key 'lr' must be a finite number > 0, got inf"),
+        (["--steps=0"], "config key 'steps' must be an integer >= 1, got 0"),
+        (["--val_fraction=1.5"], "config key 'val_fraction' must be a fraction in [0, 1], got 1.5"),
+    ],
+)
+def test_values_every_script_shares_are_checked_before_anything_runs(argv, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(Cfg, argv)
+    assert str(err.value) == message
+
+
+def test_out_dir_is_created_and_must_be_writable(tmp_path):
+    cfg = config.load(Cfg, [f"--out_dir={tmp_path}/a/b"])
+    assert (tmp_path / "a" / "b").is_dir() and cfg.out_dir.endswith("a/b")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(config.ConfigError) as err:
+        config.load(Cfg, [f"--out_dir={blocker}/sub"])
+    assert str(err.value) == f"out_dir '{blocker}/sub' is not a writable folder: Not a directory"
+
+
+@dataclass
+class NoFloats:
+    ratio: float = 0.5  # any finite float, no by-name rule
+
+
+def test_every_float_must_be_finite_even_without_a_rule():
+    assert config.load(NoFloats, ["--ratio=-3"]).ratio == -3.0
+    with pytest.raises(config.ConfigError, match="'ratio' must be a finite number, got nan"):
+        config.load(NoFloats, ["--ratio=nan"])

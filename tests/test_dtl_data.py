@@ -116,3 +116,52 @@ def test_an_edited_local_text_file_is_tokenized_again(tmp_path, monkeypatch):
     again = data.load_corpus(str(text), tokenizer="byte", val_fraction=0.0)
     assert bytes(again.train.tolist()).decode() == "that is the question, longer"
     assert len(first.train) != len(again.train)
+
+
+# --- context parallelism: the sequence split over cp ranks -------------------------------------
+
+
+@pytest.mark.parametrize("split", data.CP_SPLITS)
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_cp_ranks_together_see_exactly_the_single_process_batch(split, cp_size):
+    tokens = np.arange(5000, dtype=np.uint16)  # token id = its offset: positions are checkable
+    T, kw = 16, dict(seed=3, step=2, dp_rank=1, dp_size=2)
+    x_full, y_full = data.get_batch(tokens, T, 4, **kw)
+    xs, ys, poss = [], [], []
+    for r in range(cp_size):
+        x, y = data.get_batch(tokens, T, 4, **kw, cp_rank=r, cp_size=cp_size, cp_split=split)
+        pos = data.cp_positions(T, r, cp_size, split)
+        assert x.shape == y.shape == (4, T // cp_size) and pos.shape == (T // cp_size,)
+        # the position ids say where each held token sits in the full sequence
+        assert torch.equal(x, x_full[:, pos]) and torch.equal(y, y_full[:, pos])
+        xs, ys, poss = xs + [x], ys + [y], poss + [pos]
+    assert torch.equal(data.cp_unshard(xs, split), x_full)
+    assert torch.equal(data.cp_unshard(ys, split), y_full)
+    assert torch.equal(data.cp_unshard(poss, split, dim=0), torch.arange(T))
+
+
+def test_zigzag_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():
+    assert data.cp_positions(16, 0, 4, "zigzag").tolist() == [0, 1, 14, 15]
+    assert data.cp_positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+    assert data.cp_positions(16, 3, 4, "zigzag").tolist() == [6, 7, 8, 9]
+    assert data.cp_positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
+    # causal work balance: with zig-zag every rank attends to the same number of (q, k) pairs
+    work = [sum(p + 1 for p in data.cp_positions(16, r, 4, "zigzag").tolist()) for r in range(4)]
+    assert len(set(work)) == 1
+    contiguous = [sum(p + 1 for p in data.cp_positions(16, r, 4).tolist()) for r in range(4)]
+    assert contiguous == sorted(contiguous) and contiguous[-1] > 3 * contiguous[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cp_size=3), r"seq_len 16 is not divisible by 3 \(contiguous split over cp_size 3\)"),
+        (dict(cp_size=3, cp_split="zigzag"), "seq_len 16 is not divisible by 6"),
+        (dict(cp_size=2, cp_rank=2), r"cp_rank 2 is not in \[0, cp_size=2\)"),
+        (dict(cp_split="ring"), "unknown cp split 'ring'; choose one of contiguous, zigzag"),
+    ],
+)
+def test_bad_cp_layouts_are_one_line_errors(kwargs, message):
+    with pytest.raises(data.DataError, match=message) as err:
+        data.get_batch(np.arange(100, dtype=np.uint16), 16, 2, seed=0, step=0, **kwargs)
+    assert "\n" not in str(err.value)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtl.dist import ParallelGrid, choose_backend
+from dtl.dist import BackendError, ParallelGrid, choose_backend
 from dtl.testing import run_distributed
 
 
@@ -29,6 +29,37 @@ def test_grid_reproduces_megatrons_16_gpu_example():
     assert grid.group_ranks("tp")[:2] == [[0, 1], [2, 3]]
     assert grid.group_ranks("dp")[:3] == [[0, 2], [1, 3], [4, 6]]
     assert grid.group_ranks("pp")[:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
+
+
+def test_combined_groups_follow_the_same_order_whatever_order_the_axes_are_named_in():
+    grid = ParallelGrid(dp=2, pp=2, cp=2, tp=1, world_size=8, rank=3)  # view(pp, dp, cp, tp)
+    assert grid.group_ranks("dp", "cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.group_ranks("cp", "dp") == grid.group_ranks("dp", "cp")
+    assert grid.group_ranks("tp", "pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.ranks_along("pp", "dp", "cp", "tp") == list(range(8))
+    # TP2 x PP2 x DP2: Megatron's model-parallel group (tp x pp) for rank 5 = (pp 1, dp 0, tp 1)
+    grid = ParallelGrid(dp=2, pp=2, tp=2, world_size=8, rank=5)
+    assert grid.ranks_along("tp", "pp") == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match="bad axes"):
+        grid.group_ranks("tp", "tp")
+
+
+def test_pipeline_neighbours_stages_and_embedding_ranks():
+    # pp=4, dp=2: pp groups [0,2,4,6] [1,3,5,7]
+    stages = [ParallelGrid(dp=2, pp=4, world_size=8, rank=r) for r in (0, 2, 6)]
+    assert [(g.is_first_stage, g.is_last_stage) for g in stages] == [
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+    assert [(g.prev_rank, g.next_rank) for g in stages] == [(6, 2), (0, 4), (4, 0)]
+    assert stages[1].embedding_ranks() == [0, 6]
+    assert ParallelGrid(dp=2, world_size=2, rank=1).embedding_ranks() == [1]  # pp = 1
+
+
+def test_grid_sizes_are_keyword_only():
+    with pytest.raises(TypeError):
+        ParallelGrid(2, 1, 1, 2)  # dp, pp, cp, tp: too easy to get in the wrong order
 
 
 def test_grid_coordinates_are_a_bijection_for_every_rank():
@@ -60,7 +91,7 @@ def _sum_over_each_axis():
     out = {}
     for axis in ("tp", "dp"):
         t = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(t, group=grid.groups[axis])
+        dist.all_reduce(t, group=grid.group(axis))
         out[axis] = t.item()
     return out
 
@@ -69,6 +100,44 @@ def test_grid_groups_reduce_over_exactly_their_ranks():
     results = run_distributed(_sum_over_each_axis, world_size=4)
     assert [r["tp"] for r in results] == [1.0, 1.0, 5.0, 5.0]  # 0+1, 0+1, 2+3, 2+3
     assert [r["dp"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # 0+2, 1+3, ...
+
+
+def _combined_groups_mesh_and_embedding():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = ParallelGrid(pp=2, tp=2)  # 4 ranks: tp [0,1] [2,3]; pp [0,2] [1,3]
+    out = {}
+    for axes in (("tp", "pp"), ("dp", "cp")):
+        t = torch.tensor([float(2 ** dist.get_rank())])  # a bit per rank: the sum names them
+        dist.all_reduce(t, group=grid.group(*axes))
+        out[axes] = int(t.item())
+    t = torch.tensor([float(2 ** dist.get_rank())])
+    dist.all_reduce(t, group=grid.embedding_group)
+    out["embedding"] = int(t.item())
+    mesh = grid.device_mesh()
+    assert isinstance(mesh, DeviceMesh)
+    out["mesh"] = {
+        axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("pp", "dp", "tp")
+    }
+    out["grid"] = {axis: grid.ranks_along(axis) for axis in ("pp", "dp", "tp")}
+    try:
+        grid.group("tp", "cp")
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_combined_groups_embedding_group_and_device_mesh_match_the_grid():
+    results = run_distributed(_combined_groups_mesh_and_embedding, world_size=4)
+    assert [r[("tp", "pp")] for r in results] == [15] * 4  # all four ranks: 1+2+4+8
+    assert [r[("dp", "cp")] for r in results] == [1, 2, 4, 8]  # dp = cp = 1: each rank alone
+    assert [r["embedding"] for r in results] == [5, 10, 5, 10]  # {0, 2} and {1, 3}: pp ends
+    for r in results:
+        assert r["mesh"] == r["grid"]
+        assert r["error"] == (
+            "ParallelGrid: the cpxtp group was not built; pass combos=[('cp', 'tp')] "
+            "to ParallelGrid(...)"
+        )
 
 
 def test_init_works_as_a_plain_one_process_run():
@@ -89,8 +158,35 @@ def test_backend_is_gloo_without_gpus_and_can_be_forced(monkeypatch):
     monkeypatch.delenv("DTL_BACKEND", raising=False)
     if not torch.cuda.is_available():
         assert choose_backend(local_world_size=2) == "gloo"
-    monkeypatch.setenv("DTL_BACKEND", "mpi")
-    assert choose_backend(local_world_size=2) == "mpi"
+    monkeypatch.setenv("DTL_BACKEND", "nccl")
+    assert choose_backend(local_world_size=2) == "nccl"
+    monkeypatch.setenv("DTL_BACKEND", "glo")
+    with pytest.raises(BackendError, match="DTL_BACKEND='glo' is not a backend") as err:
+        choose_backend(local_world_size=2)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "backend, message",
+    [
+        (
+            "glo",
+            "error: DTL_BACKEND='glo' is not a backend this course runs; use one of gloo, "
+            "nccl (or unset it for the automatic choice)",
+        ),
+        ("nccl", "error: backend nccl needs CUDA GPUs; this machine has none (use gloo)"),
+    ],
+)
+def test_a_bad_or_impossible_backend_is_a_one_line_error_before_any_group(backend, message):
+    if backend == "nccl" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl is a valid choice here")
+    code = "from dtl import dist as d; d.init(); print('initialized')"
+    env = {**os.environ, "DTL_BACKEND": backend}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == message
 
 
 @pytest.mark.skipif(os.environ.get("DTL_SOAK") != "1", reason="soak test: set DTL_SOAK=1 (~90 s)")

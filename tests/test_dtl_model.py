@@ -1,16 +1,35 @@
-"""dtl.model: parameter counts (large presets on the meta device), seed-only init, sliceable
-blocks, swappable attention, and flops_per_token against a FLOP counter."""
+"""dtl.model: parameter counts (large presets on the meta device), per-parameter init that a stage
+or one block reproduces alone, pipeline pieces, head-sharded attention and the TP plan, vocabulary
+padding, the loss outside forward, position ids, and flops_per_token against a FLOP counter."""
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtl.model import GPT, PRESETS, flops_per_token, naive_attention, num_params, preset
+from dtl.model import (
+    GPT,
+    PRESETS,
+    TP_PLAN,
+    Block,
+    canonical_name,
+    flops_per_token,
+    init_tensor,
+    loss_fn,
+    materialize,
+    naive_attention,
+    num_params,
+    pad_vocab_size,
+    preset,
+    shard_tensor,
+    tp_shard_of,
+)
 
 # Published sizes: GPT-2 small 124M (nanoGPT prints 123.65M, which excludes wpe's 786,432);
 # GPT-3 Small "125M" (Brown et al. 2020, Table 2.1).
 KNOWN_COUNTS = {
     "tiny": 34_688,
+    "tiny-nobias": 33_952,  # tiny minus 736 biases: 2 x (32 + 32 + 96 + 32 + 128 + 32) + 32
     "small": 7_248_640,
     "gpt2-124m": 124_439_808,
     "gpt3-125m": 125_226_240,
@@ -44,19 +63,19 @@ def test_embed_blocks_head_compose_to_forward_as_pipeline_stages_would():
     model = GPT(preset("tiny"), seed=0)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     x = model.embed(idx)
-    for block in model.blocks[:1]:  # stage 0
-        x = block(x)
-    for block in model.blocks[1:]:  # stage 1
-        x = block(x)
-    torch.testing.assert_close(model.head(x), model(idx)[0], rtol=0, atol=0)
+    x = model.blocks["0"](x)  # stage 0: embed + block 0
+    x = model.blocks["1"](x)  # stage 1: block 1 + head
+    torch.testing.assert_close(model.head(x), model(idx), rtol=0, atol=0)
 
 
 def test_swapping_attention_for_the_written_out_version_changes_nothing():
     model = GPT(preset("tiny"), seed=0)
     idx, targets = torch.randint(0, 256, (2, 2, 16), generator=torch.Generator().manual_seed(1))
-    fused, loss_fused = model(idx, targets)
+    fused = model(idx)
+    loss_fused = loss_fn(fused, targets)
     model.set_attention(naive_attention)
-    written, loss_written = model(idx, targets)
+    written = model(idx)
+    loss_written = loss_fn(written, targets)
     torch.testing.assert_close(written, fused, rtol=1e-5, atol=1e-6)  # fp32, reordered sums
     torch.testing.assert_close(loss_written, loss_fused, rtol=1e-5, atol=1e-6)
     # std-0.02 init: logits near zero, so the loss on random targets is near ln(256) = 5.545
@@ -70,7 +89,7 @@ def test_flops_per_token_matches_a_flop_counter_within_3_percent():
     B, T = 2, cfg.block_size
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        model(idx, idx)[1].backward()
+        loss_fn(model(idx), idx).backward()
     measured = counter.get_total_flops() / (B * T)
     predicted = flops_per_token(cfg)
     # 6N counts biases and LayerNorm weights as if they were matmul weights: 2.7% of tiny's N
@@ -97,3 +116,156 @@ def test_a_meta_device_build_materialized_later_equals_the_eager_build_and_stays
     eager = GPT(cfg, seed=3).state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(value, eager[name]), name
+
+
+# --- per-parameter init: a stage or one block, built alone, equals the one-process model --------
+
+
+def test_each_parameter_depends_only_on_seed_and_its_name():
+    cfg = preset("tiny")
+    model = GPT(cfg, seed=5)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, init_tensor(name, p.shape, seed=5, n_layer=cfg.n_layer)), name
+    # different names draw different values, and the residual projections are scaled down
+    w = dict(model.named_parameters())
+    assert not torch.equal(w["blocks.0.mlp.c_fc.weight"][:32], w["blocks.1.mlp.c_fc.weight"][:32])
+    assert w["blocks.0.mlp.c_proj.weight"].std() < 0.6 * w["blocks.0.mlp.c_fc.weight"].std()
+
+
+def test_a_pipeline_stage_built_on_meta_materializes_only_its_parameters_bit_for_bit():
+    cfg = preset("tiny", n_layer=4)
+    full = dict(GPT(cfg, seed=11).named_parameters())
+    with torch.device("meta"):
+        stage = GPT(cfg, seed=11)  # the last of 2 stages: blocks 2, 3 and the head
+    del stage.blocks["0"], stage.blocks["1"]
+    stage.wte, stage.wpe = None, None
+    stage.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.n_embd, device="meta"))
+    materialize(stage, seed=11, n_layer=cfg.n_layer)
+    names = {n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "")
+             for n, _ in stage.named_parameters()}  # fmt: skip
+    assert names == {"blocks.2", "blocks.3", "ln_f", "lm_head"}  # nothing else was allocated
+    for name, p in stage.named_parameters():
+        # the untied stage-local lm_head must equal wte, the weight it is tied to in one process
+        ref = full["wte.weight"] if name == "lm_head.weight" else full[name]
+        assert torch.equal(p, ref), name
+    x = torch.randn(2, 8, cfg.n_embd)
+    assert stage(x).shape == (2, 8, cfg.vocab_size)  # hidden states in, logits out
+
+
+def test_one_block_alone_equals_that_block_of_the_full_model():
+    cfg = preset("tiny", n_layer=3)
+    full = GPT(cfg, seed=2)
+    with torch.device("meta"):
+        block = Block(cfg)
+    materialize(block, seed=2, n_layer=cfg.n_layer, prefix="blocks.2.")
+    for (name, p), (_, q) in zip(block.named_parameters(), full.blocks["2"].named_parameters()):
+        assert torch.equal(p, q), name
+    # wrappers' prefixes are not part of the name that seeds the init
+    assert canonical_name("module._orig_mod.blocks.2.attn.c_attn.weight") == (
+        "blocks.2.attn.c_attn.weight"
+    )
+
+
+# --- tensor parallelism: head-sharded attention and the declarative plan -------------------
+
+
+def _shard_module(module, prefix, tp_rank, tp_size):
+    """A copy of `module` whose planned Linears hold rank tp_rank's shard (row biases on rank 0
+    only: a row-parallel bias is added once, after the partial outputs are summed)."""
+    import copy
+
+    shard = copy.deepcopy(module)
+    for name, sub in list(shard.named_modules()):
+        plan = tp_shard_of(prefix + name)
+        if plan is None or not isinstance(sub, nn.Linear):
+            continue
+        w = shard_tensor(sub.weight.detach(), plan, False, tp_rank, tp_size)
+        new = nn.Linear(w.shape[1], w.shape[0], bias=sub.bias is not None)
+        with torch.no_grad():
+            new.weight.copy_(w)
+            if sub.bias is not None:
+                b = shard_tensor(sub.bias.detach(), plan, True, tp_rank, tp_size)
+                new.bias.copy_(b if plan.style != "row" or tp_rank == 0 else torch.zeros_like(b))
+        parent, _, leaf = name.rpartition(".")
+        setattr(shard.get_submodule(parent) if parent else shard, leaf, new)
+    return shard
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_attention_and_mlp_on_one_tp_ranks_heads_compute_that_ranks_partial_output(tp_size):
+    cfg = preset("tiny", n_head=4, n_embd=32)
+    block = GPT(cfg, seed=0).blocks["0"]
+    x = torch.randn(2, 8, cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    for part in ("attn", "mlp"):
+        full = getattr(block, part)
+        shards = [_shard_module(full, f"blocks.0.{part}.", t, tp_size) for t in range(tp_size)]
+        if part == "attn":  # each shard holds n_head / tp heads, read off c_attn's width
+            assert all(s.n_local_heads == cfg.n_head // tp_size for s in shards)
+        partial = [s(x) for s in shards]  # (B, T, C) each: what the all-reduce would sum
+        torch.testing.assert_close(sum(partial), full(x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(partial[0], full(x), atol=1e-3)  # a shard alone is partial
+
+
+def test_the_fused_qkv_is_split_by_heads_in_each_of_q_k_v_not_cut_in_n_pieces():
+    C, tp = 8, 2
+    w = torch.arange(3 * C).float()[:, None].expand(3 * C, 4)  # row i holds i
+    shard = shard_tensor(w, TP_PLAN["blocks.*.attn.c_attn"], False, tp_rank=1, tp_size=tp)
+    rows = shard[:, 0].int().tolist()
+    assert rows == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]  # 2nd half of Q, of K, of V
+    assert tp_shard_of("blocks.7.mlp.c_proj").style == "row"
+    assert tp_shard_of("blocks.0.ln_1") is None and tp_shard_of("wpe") is None
+    with pytest.raises(ValueError, match="does not split into 3 block"):
+        shard_tensor(torch.zeros(3 * 5, 4), TP_PLAN["blocks.*.attn.c_attn"], False, 0, 2)
+
+
+def test_vocabulary_padding_follows_megatron_and_nanogpt():
+    assert pad_vocab_size(50257, 64) == 50304  # nanoGPT
+    assert pad_vocab_size(50257, 128, tp_size=8) == 51200  # Megatron: 128 x TP
+    assert pad_vocab_size(50304, 64) == 50304  # already a multiple: unchanged
+    assert preset("small").vocab_size == 50304 and preset("gpt2-124m").vocab_size == 50257
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pad_vocab_size(50257, 0)
+
+
+# --- loss outside forward, position ids -----------------------------------------------------
+
+
+def test_loss_fn_is_mean_cross_entropy_skipping_ignore_index():
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[1, 2, -100], [0, -100, 4]])
+    keep = targets != -100
+    expected = nn.functional.cross_entropy(logits[keep], targets[keep])
+    torch.testing.assert_close(loss_fn(logits, targets), expected, rtol=0, atol=0)
+
+
+def test_position_ids_let_a_rank_embed_non_contiguous_chunks():
+    model = GPT(preset("tiny"), seed=0)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])  # a zig-zag rank's two chunks
+    torch.testing.assert_close(model.embed(idx[:, pos], pos), model.embed(idx)[:, pos])
+    torch.testing.assert_close(model(idx, torch.arange(16)), model(idx), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="position ids cover 8 tokens but the input has 16"):
+        model.embed(idx, pos)
+
+
+# --- the Adam test preset ------------------------------------------------------------------
+
+
+def _grads(name):
+    cfg = preset(name)
+    model = GPT(cfg, seed=0)
+    idx = torch.randint(0, 256, (4, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(idx), idx.roll(-1, 1)).backward()
+    return model, {n: p.grad.abs().max().item() for n, p in model.named_parameters()}
+
+
+def test_tiny_key_bias_gradient_is_rounding_noise_and_tiny_nobias_has_none_such():
+    model, _ = _grads("tiny")
+    C = model.cfg.n_embd
+    q_bias, k_bias, _ = model.blocks["0"].attn.c_attn.bias.grad.split(C)
+    # K's bias: zero in exact arithmetic (q·b_k is the same for every key; softmax ignores it),
+    # so what is left is float noise, ~1e-12 here, 7 orders below Q's bias
+    assert k_bias.abs().max() < 1e-6 * q_bias.abs().max()
+    _, nobias = _grads("tiny-nobias")
+    # every parameter of tiny-nobias gets a real gradient (the smallest, LayerNorm's, ~4e-4)
+    assert min(nobias.values()) > 1e-5, sorted(nobias.items(), key=lambda kv: kv[1])[:3]

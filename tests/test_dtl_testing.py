@@ -30,3 +30,55 @@ def test_a_failing_rank_fails_the_test_fast_with_its_traceback():
     with pytest.raises(RankFailed, match=r"(?s)rank 1 failed.*ValueError: boom on rank 1"):
         run_distributed(_rank1_raises_while_rank0_waits, world_size=2, timeout_s=60)
     assert time.monotonic() - start < 20, "the harness waited for the collective timeout"
+
+
+# --- the one-process reference and the gap checks ---------------------------------------------
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def test_reference_train_is_the_plain_loop_and_returns_its_losses():
+    from dtl.testing import params_gap, reference_train
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = reference_train(model, _batch, opt, steps=3)
+    by_hand = _model()
+    opt2 = torch.optim.SGD(by_hand.parameters(), lr=0.5)
+    expected = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt2.zero_grad()
+        loss = torch.nn.functional.cross_entropy(by_hand(x), y)
+        loss.backward()
+        opt2.step()
+        expected.append(loss.item())
+    assert losses == expected and losses[-1] < losses[0]
+    assert params_gap(model, by_hand) == 0.0
+    assert params_gap(model, _model()) > 1e-3  # three SGD steps did move the weights
+    with pytest.raises(ValueError, match="parameter names differ"):
+        params_gap(model, torch.nn.Linear(4, 8))
+
+
+def _gap_with_one_rank_nudged(nudge):
+    from dtl.testing import replica_gap
+
+    model = _model()
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model[0].weight[0, 0] += nudge
+    return replica_gap(model)
+
+
+def test_replica_gap_is_zero_for_identical_replicas_and_finds_a_one_element_drift():
+    assert run_distributed(_gap_with_one_rank_nudged, 0.0, world_size=2) == [0.0, 0.0]
+    gaps = run_distributed(_gap_with_one_rank_nudged, 0.25, world_size=2)
+    assert gaps == [pytest.approx(0.25)] * 2  # every rank learns the max, not just the drifted one
