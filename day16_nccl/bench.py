@@ -48,14 +48,15 @@ class Config:
     iters: int = 2  # timed calls per repetition (nccl-tests -n)
     reps: int = 5  # repetitions; the median time is reported
     ops: str = "all"  # comma list from: all_reduce,all_gather,reduce_scatter,broadcast,ring,...
-    dtype: str = "float32"
-    chunk_kib: int = 2048  # tree pipeline chunk: NCCL uses 512 KiB on GPUs; on CPU a round costs
-    # ~100x more, and the model's best chunk (printed) is MiBs
+    dtype: str = "float32"  # element type of the messages
+    # tree pipeline chunk: NCCL uses 512 KiB on GPUs; on CPU a round costs ~100x more, and the
+    # model's best chunk (printed) is MiBs
+    chunk_kib: int = 2048
     full: bool = False  # 1 KiB .. 256 MiB, factor 2, 5 reps
     nccl_algo: str = ""  # NCCL_ALGO for the built-ins on GPUs, e.g. Ring, Tree ("" = NCCL decides)
     nccl_proto: str = ""  # NCCL_PROTO, e.g. LL, LL128, Simple
     fit_min_bytes: int = 2**20  # the model's errors are reported from this size up
-    out_dir: str = "outputs/day16_nccl/bench"
+    out_dir: str = "outputs/day16_nccl/bench"  # CSV, PNG and the fitted model
 
     def validate(self) -> None:
         if self.full:

@@ -33,7 +33,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "nccl_logs")
 class Config:
     sizes: str = "4096,1048576,67108864"  # bytes per all-reduce: small (LL) to large (Simple)
     fixture: str = "multinode.log"  # the log shown on machines without GPUs (in nccl_logs/)
-    out_dir: str = "outputs/day16_nccl/forensics"
+    out_dir: str = "outputs/day16_nccl/forensics"  # the NCCL log of this run and the report
 
     def validate(self) -> None:
         try:

@@ -23,6 +23,7 @@ Every line NCCL writes starts `host:pid:tid [cudaDev] NCCL INFO ...` (src/debug.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections import defaultdict
@@ -279,7 +280,22 @@ def parse_files(paths) -> Report:
     return parse(lines)
 
 
+USAGE = """usage: python -m day16_nccl.nccl_log NCCL_LOG [NCCL_LOG ...]
+
+Turn NCCL_DEBUG=INFO logs (one file per rank, or one for all) into a report: NCCL version, ranks to
+hosts and devices, transports per pair, channels, rings and trees, each call's algorithm and
+protocol, the last operation of every rank (hang suspects) and warnings."""
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    missing = [p for p in argv if not os.path.isfile(p)]
+    if missing:
+        raise SystemExit(f"error: NCCL log not found: {missing[0]}")
+    print(format_report(parse_files(argv)))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m day16_nccl.nccl_log NCCL_LOG [NCCL_LOG ...]")
-    print(format_report(parse_files(sys.argv[1:])))
+    main(sys.argv[1:])

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from day17_ddp import ddp_logging
+from dtl.flat import FlatBuffer
+
 SYNC_MODES = ("naive", "overlap", "bucket", "ddp")
 MiB = 1024 * 1024
 
@@ -60,16 +63,18 @@ def assign_buckets(
 
 
 class CommStats:
-    """One backward's all-reduces as [t_launch, t_done, bytes], compute end, time blocked."""
+    """One backward's all-reduces as [t_launch, t_done, bytes, bucket], compute end, blocked."""
 
     def __init__(self):
         self.events: list[list] = []
         self.last_ready = 0.0  # time.perf_counter() when the last grad hook fired
         self.compute_end = 0.0  # when the whole backward graph was done (_finalize)
         self.blocked_s = 0.0  # time the training thread waited on communication after that
+        self.pending_at_compute_end = 0  # all-reduces still in flight when compute ended
+        self.bucket_ready_order: list[int] = []  # buckets in the order their grads completed
 
-    def stamp(self, nbytes: int) -> list:
-        event = [time.perf_counter(), None, nbytes]
+    def stamp(self, nbytes: int, bucket: int | None = None) -> list:
+        event = [time.perf_counter(), None, nbytes, bucket]
         self.events.append(event)
         return event
 
@@ -138,6 +143,7 @@ class _GradSync(nn.Module):
     def _finalize(self) -> None:
         # Reducer::finalize_backward: runs after the last AccumulateGrad, before backward returns
         self.stats.compute_end = time.perf_counter()
+        self.stats.pending_at_compute_end = sum(not f.done() for f in self.futures())
         missing = [i for i in range(len(self.params)) if i not in self._ready]
         if missing:
             raise RuntimeError(
@@ -148,9 +154,9 @@ class _GradSync(nn.Module):
         self.stats.blocked_s = time.perf_counter() - self.stats.compute_end
         self._armed = self._queued = False
 
-    def _all_reduce_async(self, flat: torch.Tensor):
+    def _all_reduce_async(self, flat: torch.Tensor, bucket: int | None = None):
         """Launch a SUM all-reduce of `flat` in place; the returned future also stamps its end."""
-        event = self.stats.stamp(flat.numel() * flat.element_size())
+        event = self.stats.stamp(flat.numel() * flat.element_size(), bucket)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
         def done(fut):
@@ -158,6 +164,10 @@ class _GradSync(nn.Module):
             return fut.value()
 
         return work.get_future().then(done)
+
+    def futures(self) -> list:
+        """The async all-reduces launched in this backward (none for the naive sync)."""
+        return getattr(self, "_futures", [])
 
     # the strategy-specific part
     def grad_ready(self, i: int, p: torch.Tensor) -> None:
@@ -212,23 +222,16 @@ class BucketDDP(_GradSync):
         self.build(list(reversed(range(len(self.params)))))
 
     def build(self, order: list[int]) -> None:
-        """Reducer::initialize_buckets: one flat fp32 buffer per bucket, a view per parameter."""
+        """Reducer::initialize_buckets: one flat buffer per bucket, a view per parameter."""
         self.layout = assign_buckets(self.nbytes, order, self.first_cap, self.cap)
         self.buffers, self.views, self.locator = [], [], {}
         for b, idx in enumerate(self.layout):
-            flat = torch.zeros(
-                sum(self.params[i].numel() for i in idx),
-                dtype=self.params[idx[0]].dtype,
-                device=self.params[idx[0]].device,
-            )
-            views, offset = [], 0
-            for j, i in enumerate(idx):  # (numel,) slice of the bucket, shaped like the param
-                n = self.params[i].numel()
-                views.append(flat[offset : offset + n].view_as(self.params[i]))
-                self.locator[i] = (b, j)
-                offset += n
-            self.buffers.append(flat)
-            self.views.append(views)
+            params = [self.params[i] for i in idx]
+            # (sum of numels,) zeros; views[j] is a slice of it shaped like params[j]
+            bucket = FlatBuffer(params, dtype=params[0].dtype, device=params[0].device)
+            self.buffers.append(bucket.data)
+            self.views.append(bucket.views)
+            self.locator.update({i: (b, j) for j, i in enumerate(idx)})
 
     def prepare_for_backward(self):
         super().prepare_for_backward()
@@ -253,10 +256,13 @@ class BucketDDP(_GradSync):
         # copy into the bucket and divide by n in one pass (mark_variable_ready_dense)
         torch.mul(p.grad, 1.0 / self.world_size, out=self.views[b][j])
         self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.stats.bucket_ready_order.append(b)
         # Reducer::mark_bucket_ready: launch buckets in index order only, so that every rank
         # issues the same all-reduces in the same order even if its grads arrive differently
         while self.next_bucket < len(self.layout) and self.pending[self.next_bucket] == 0:
-            self._futures.append(self._all_reduce_async(self.buffers[self.next_bucket]))
+            b = self.next_bucket
+            self._futures.append(self._all_reduce_async(self.buffers[b], bucket=b))
             self.next_bucket += 1
 
     def reduce_and_wait(self):
@@ -286,7 +292,7 @@ def torch_ddp(module, group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, **ddp
     else:
         caps = {"bucket_cap_mb_list": [first_bucket_mb, bucket_cap_mb]}
     model = DDP(module, process_group=group, **caps, **ddp_kwargs)
-    model._set_ddp_runtime_logging_sample_rate(1)  # timing stats on every iteration
+    ddp_logging.time_every_iteration(model)  # the Reducer's timing stats on every iteration
     return model
 
 

@@ -11,25 +11,18 @@ the same instants with its CPU timer, read back from `_get_ddp_logging_data()`.
 
 from __future__ import annotations
 
-import json
+from day17_ddp import ddp_logging
+from dtl import profile
+from dtl.profile import StepTimes
 
 MiB = 1024 * 1024
 
 
 def sync_times(model) -> dict[str, float]:
     """(compute_end, comm_start, comm_end, blocked) of the last synced backward, in seconds."""
-    if hasattr(model, "_get_ddp_logging_data"):  # torch DDP: the Reducer's CPU timer, in ns
-        # DDP copies the timer into its logging data at the *next* forward; do it now instead
-        model.logger.set_runtime_stats_and_log()
-        log = model._get_ddp_logging_data()
-        compute_end = log["backward_compute_time_end"] / 1e9
-        start, end = log["backward_comm_time_start"] / 1e9, log["backward_comm_time_end"] / 1e9
-        return dict(
-            compute_end=compute_end,
-            comm_start=start,
-            comm_end=end,
-            blocked=max(0.0, end - compute_end),
-        )
+    if ddp_logging.is_torch_ddp(model):  # the Reducer's own CPU timer
+        t = ddp_logging.comm_times_s(model)
+        return dict(t, blocked=max(0.0, t["comm_end"] - t["compute_end"]))
     s = model.stats
     return dict(
         compute_end=s.compute_end,
@@ -39,33 +32,34 @@ def sync_times(model) -> dict[str, float]:
     )
 
 
-def step_breakdown(model, fwd_s: float, bwd_s: float) -> dict[str, float]:
-    """Milliseconds: forward, backward compute, blocked on communication, comm span; overlap."""
-    t = sync_times(model)
+def step_breakdown(model, fwd_s: float, bwd_s: float, step_s: float) -> StepTimes:
+    """One step's StepTimes: forward, backward compute, blocked on communication, comm span,
+    overlap; the remainder (optimizer + rest) is what the step spent outside those."""
+    return breakdown_from_times(sync_times(model), fwd_s, bwd_s, step_s)
+
+
+def breakdown_from_times(t: dict, fwd_s: float, bwd_s: float, step_s: float) -> StepTimes:
     comm = max(t["comm_end"] - t["comm_start"], 1e-9)
     blocked = min(t["blocked"], bwd_s)
-    return dict(
-        fwd_ms=fwd_s * 1e3,
-        bwd_compute_ms=(bwd_s - blocked) * 1e3,
+    return StepTimes(
+        step_ms=step_s * 1e3,
+        forward_ms=fwd_s * 1e3,
+        backward_ms=(bwd_s - blocked) * 1e3,
         blocked_ms=blocked * 1e3,
         comm_ms=comm * 1e3,
-        overlap=min(1.0, max(0.0, (comm - blocked) / comm)),
+        overlap=profile.overlap_fraction(comm, blocked),
     )
 
 
 def bucket_layout(model, names: list[str]) -> tuple[list[int], list[list[str]]]:
     """Bytes per bucket and parameter names per bucket, in launch order (first bucket first)."""
-    if hasattr(model, "_get_ddp_logging_data"):
-        log = model._get_ddp_logging_data()
-        if "rebuilt_bucket_sizes" not in log:  # find_unused_parameters=True: never rebuilt
-            sizes = [int(s) for s in str(log["bucket_sizes"]).split(",")]
+    if ddp_logging.is_torch_ddp(model):
+        rebuilt = ddp_logging.rebuilt_buckets(model)
+        if rebuilt is None:  # find_unused_parameters=True: never rebuilt
+            sizes = ddp_logging.initial_bucket_sizes(model)
             return sizes, [["(initial layout, parameter order not logged)"] for _ in sizes]
-        sizes = [int(s) for s in str(log["rebuilt_bucket_sizes"]).split(",")]
-        groups = [
-            [names[int(i)] for i in g.split()]
-            for g in str(log["rebuilt_per_bucket_param_indices"]).split(",")
-        ]
-        return sizes, groups
+        sizes, indices = rebuilt
+        return sizes, [[names[i] for i in idx] for idx in indices]
     if hasattr(model, "layout"):
         return model.bucket_sizes(), [[names[i] for i in idx] for idx in model.layout]
     sizes = [p.numel() * p.element_size() for p in model.params]  # one "bucket" per tensor
@@ -87,12 +81,11 @@ def format_layout(sizes: list[int], groups: list[list[str]], limit: int = 12) ->
 
 
 def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
-    """(start, end) in ms from the trace's first event, per lane, from a chrome trace file."""
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    marks = {e["name"]: e for e in events if e["name"] in ("forward", "backward", "optimizer")}
-    main_tid = marks["backward"]["tid"]
-    t0 = min(e["ts"] for e in marks.values())
+    """(start, end) in ms from the step's start, per lane, from a chrome trace file."""
+    spans = profile.parse_trace(path)
+    marks = {s.name: s for s in spans if s.name in ("forward", "backward", "optimizer")}
+    main_tid = marks["backward"].tid
+    t0 = min(s.start_ms for s in marks.values())
     lanes: dict[str, list] = {
         "forward": [],
         "backward compute": [],
@@ -101,45 +94,28 @@ def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
         "optimizer": [],
     }
     for name in ("forward", "optimizer"):
-        lanes[name].append(_span(marks[name], t0))
-    bwd = _span(marks["backward"], t0)
-    for e in events:
-        s, end = _span(e, t0)
-        if e["tid"] == main_tid and e["name"].startswith("autograd::engine::evaluate_function"):
-            if bwd[0] <= s <= bwd[1]:
-                lanes["grad ready" if "AccumulateGrad" in e["name"] else "backward compute"].append(
-                    (s, end)
-                )
-        elif e["name"] == "gloo:all_reduce" or "nccl:all_reduce" in e["name"]:
-            lanes["all-reduce"].append((s, end))
-    lanes["backward compute"] = _merge(lanes["backward compute"])
+        lanes[name].append((marks[name].start_ms - t0, marks[name].end_ms - t0))
+    bwd = marks["backward"]
+    for s in spans:
+        span = (s.start_ms - t0, s.end_ms - t0)
+        if s.tid == main_tid and s.name.startswith("autograd::engine::evaluate_function"):
+            if bwd.start_ms <= s.start_ms <= bwd.end_ms:
+                lane = "grad ready" if "AccumulateGrad" in s.name else "backward compute"
+                lanes[lane].append(span)
+        elif s.kind == "all_reduce" and s.phase == "work":  # gloo:all_reduce / NCCL kernels
+            lanes["all-reduce"].append(span)
+    lanes["backward compute"] = profile.merge(lanes["backward compute"])
     lanes["all-reduce"].sort()
     return lanes
-
-
-def _span(e: dict, t0: float) -> tuple[float, float]:
-    return (e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3
-
-
-def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, e in sorted(spans):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [tuple(m) for m in merged]
 
 
 def trace_overlap(lanes: dict) -> tuple[float, float]:
     """From the trace: all-reduce busy ms, and the share of it inside the backward compute span."""
     if not lanes["all-reduce"]:
         return 0.0, 0.0
-    compute_end = max(e for _, e in lanes["backward compute"]) if lanes["backward compute"] else 0
-    busy = _merge(lanes["all-reduce"])
-    total = sum(e - s for s, e in busy)
-    hidden = sum(max(0.0, min(e, compute_end) - s) for s, e in busy)
-    return total, hidden / total if total else 0.0
+    compute = lanes["backward compute"]
+    span = [(0.0, max(e for _, e in compute))] if compute else []
+    return profile.busy_ms(lanes["all-reduce"]), profile.hidden_fraction(lanes["all-reduce"], span)
 
 
 def plot_timeline(lanes: dict, title: str, path: str, sizes: list[int] | None = None) -> None:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import csv
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from day17_ddp import observe, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import load_corpus
 from dtl.model import preset
+from dtl.profile import StepTimes
+from dtl.testing import replica_gap
 
 # (row name, overrides of train.Config): every sync mode at the defaults (1 MiB first bucket,
 # 25 MiB cap), then DDP-style caps (bucket_cap_mb=X sets the first bucket to X too), then DDP's
@@ -44,8 +46,8 @@ COLUMNS = [
     "row",
     "buckets",
     "step_ms",
-    "fwd_ms",
-    "bwd_compute_ms",
+    "forward_ms",
+    "backward_ms",
     "blocked_ms",
     "comm_ms",
     "overlap",
@@ -55,13 +57,13 @@ COLUMNS = [
 @dataclass
 class SweepConfig:
     part: str = "sweep"  # sweep | ratio
-    model: str = "small"
-    batch_size: int = 4
-    seq_len: int = 64
+    model: str = "small"  # GPT preset
+    batch_size: int = 4  # sequences per rank per step
+    seq_len: int = 64  # tokens per sequence
     steps: int = 8  # per row; the first `warmup` are left out of the medians
-    warmup: int = 2
+    warmup: int = 2  # steps left out of the medians
     repeats: int = 2  # rounds: every row (sweep) or the bucket/ddp pair (ratio) this many times
-    out_dir: str = "outputs/day17_ddp/sweep"
+    out_dir: str = "outputs/day17_ddp/sweep"  # CSV, PNG and logs
 
     def validate(self) -> None:
         if self.part not in ("sweep", "ratio"):
@@ -82,10 +84,10 @@ def measure(scfg: SweepConfig, tokens, info, **overrides) -> dict:
         **overrides,
     )
     gpt, model, opt = train.build(cfg, info)
-    rows = [train.train_step(model, opt, tokens, cfg, s, info) for s in range(cfg.steps)]
-    med = {k: statistics.median(r[k] for r in rows[cfg.warmup :]) for k in rows[0]}
+    times = [train.train_step(model, opt, tokens, cfg, s, info)[0] for s in range(cfg.steps)]
+    med = asdict(StepTimes.median(times[cfg.warmup :]))
     sizes, _ = observe.bucket_layout(model, train._param_names(gpt))
-    return dict(med, buckets=len(sizes), gap=train.replica_gap(gpt))
+    return dict(med, buckets=len(sizes), gap=replica_gap(gpt))
 
 
 def run_sweep(scfg: SweepConfig, tokens, info) -> list[dict]:
@@ -117,8 +119,8 @@ def run_ratio(scfg: SweepConfig, tokens, info) -> list[dict]:
 
 def format_row(row: dict) -> str:
     return (
-        f"{row['row']:<18}{int(row['buckets']):>8}{row['step_ms']:>9.0f}{row['fwd_ms']:>8.0f}"
-        f"{row['bwd_compute_ms']:>13.0f}{row['blocked_ms']:>10.0f}{row['comm_ms']:>9.0f}"
+        f"{row['row']:<18}{int(row['buckets']):>8}{row['step_ms']:>9.0f}{row['forward_ms']:>8.0f}"
+        f"{row['backward_ms']:>13.0f}{row['blocked_ms']:>10.0f}{row['comm_ms']:>9.0f}"
         f"{row['overlap']:>9.0%}"
     )
 
@@ -146,8 +148,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     names = [r["row"] for r in rows][::-1]
     left = [0.0] * len(rows)
     parts = [
-        ("fwd_ms", "forward", "tab:blue"),
-        ("bwd_compute_ms", "backward compute", "tab:orange"),
+        ("forward_ms", "forward", "tab:blue"),
+        ("backward_ms", "backward compute", "tab:orange"),
         ("blocked_ms", "blocked on comm", "tab:red"),
     ]
     for key, label, color in parts:

@@ -19,12 +19,10 @@ logging data after the rebuild), a profiler trace per rank (traces/rank<R>.json)
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from day17_ddp import observe
@@ -35,6 +33,8 @@ from dtl.comm import BUSBW_FACTOR
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.profile import StepTimes
+from dtl.testing import replica_gap
 
 
 @dataclass
@@ -43,21 +43,22 @@ class Config:
     model: str = "small"  # GPT preset; `small` has the 50,304-token vocabulary (25 MiB wte grad)
     tie_weights: bool = True  # lm_head shares wte; False gives lm_head its own 25 MiB gradient
     batch_size: int = 4  # sequences per rank per micro-step
-    seq_len: int = 64  # 4 x 64 = 256 tokens per rank per micro-step
+    seq_len: int = 64  # tokens per sequence: 4 x 64 = 256 tokens per rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step; all but the last under no_sync()
-    steps: int = 8
+    steps: int = 8  # optimizer steps
     warmup: int = 2  # steps left out of the medians (step 0 builds, step 1 uses rebuilt buckets)
-    lr: float = 6e-4
-    bucket_cap_mb: float = 25.0  # DDP's default cap ...
-    first_bucket_mb: float = 1.0  # ... and first bucket (DDP uses the cap if you set bucket_cap_mb)
+    lr: float = 6e-4  # AdamW learning rate
+    bucket_cap_mb: float = 25.0  # bucket size limit in MiB (DDP's default: 25)
+    first_bucket_mb: float = 1.0  # first bucket's limit in MiB (DDP: 1, or the cap if you set it)
     find_unused_parameters: bool = False  # ddp only: traverse the graph after every forward
     gradient_as_bucket_view: bool = False  # ddp only: .grad becomes a view into the bucket
-    static_graph: bool = False  # ddp only
+    static_graph: bool = False  # ddp only: the graph is the same every step (skips checks)
     profile_step: int = 4  # the step traced by torch.profiler; -1 for none
-    seed: int = 0
-    out_dir: str = ""  # default: outputs/day17_ddp/train-<sync>
+    seed: int = 0  # model init and batches
+    out_dir: str = ""  # where the run writes; empty: outputs/day17_ddp/train-<sync>
 
     def validate(self) -> None:
+        self.out_dir = self.out_dir or f"outputs/day17_ddp/train-{self.sync}"
         try:
             check_sync_args(self.sync, self.bucket_cap_mb, self.first_bucket_mb)
         except SyncError as e:
@@ -98,8 +99,12 @@ def build(cfg: Config, info):
     return gpt, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
 
-def train_step(model, opt, tokens, cfg: Config, step: int, info) -> dict:
-    """One optimizer step; returns its timings. Micro-steps but the last skip the sync."""
+def train_step(model, opt, tokens, cfg: Config, step: int, info) -> tuple[StepTimes, float]:
+    """One optimizer step; returns its timings and loss. Micro-steps but the last skip the sync.
+
+    The clocks are host-side (time.perf_counter), the same clock the sync wrappers stamp their
+    all-reduces with; on CUDA they time launches, so read GPU overlap from the trace instead.
+    """
     x, y = get_batch(
         tokens,
         cfg.seq_len,
@@ -127,23 +132,12 @@ def train_step(model, opt, tokens, cfg: Config, step: int, info) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     _sync_device(info)
-    times = observe.step_breakdown(model, fwd, bwd)
-    return dict(times, step_ms=(time.perf_counter() - t_step) * 1e3, loss=loss.item())
+    return observe.step_breakdown(model, fwd, bwd, time.perf_counter() - t_step), loss.item()
 
 
 def _sync_device(info) -> None:
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
-
-
-def replica_gap(gpt) -> float:
-    """max |p - p_rank0| over all parameters and ranks: 0.0 when the replicas are identical."""
-    flat = torch.cat([p.detach().reshape(-1) for p in gpt.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    gap = (flat - ref).abs().max()
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    return gap.item()
 
 
 def run(cfg: Config, info) -> dict:
@@ -156,22 +150,14 @@ def run(cfg: Config, info) -> dict:
         tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size,
         tensorboard=True,
     )
-    rows = []
+    rows: list[StepTimes] = []
     for step in range(cfg.steps):
         traced = step == cfg.profile_step  # profiler overhead: left out of the medians
-        r = (profiled_step if traced else train_step)(model, opt, corpus.train, cfg, step, info)
+        step_fn = profiled_step if traced else train_step
+        times, loss = step_fn(model, opt, corpus.train, cfg, step, info)
         if step >= cfg.warmup and not traced:
-            rows.append(r)
-        log.log(
-            step,
-            loss=r["loss"],
-            dt_s=r["step_ms"] / 1e3,
-            fwd_ms=f"{r['fwd_ms']:.0f}",
-            bwd_compute_ms=f"{r['bwd_compute_ms']:.0f}",
-            blocked_ms=f"{r['blocked_ms']:.0f}",
-            comm_ms=f"{r['comm_ms']:.0f}",
-            overlap=f"{r['overlap']:.0%}",
-        )
+            rows.append(times)
+        log.log(step, loss=loss, times=times)  # the breakdown also goes to TensorBoard time/...
     log.close()
     if info.device.type == "cuda":
         dtl_dist.print0(
@@ -187,7 +173,7 @@ def run(cfg: Config, info) -> dict:
     return dict(
         rows=rows,
         layout=observe.bucket_layout(model, names),
-        gap=replica_gap(gpt),
+        gap=replica_gap(gpt),  # max |p - p on rank 0|: 0.0 when the replicas are identical
         n_params=sum(p.numel() for p in gpt.parameters()),
     )
 
@@ -196,7 +182,7 @@ def _param_names(gpt) -> list[str]:
     return [n for n, p in gpt.named_parameters() if p.requires_grad]  # tied lm_head: once, as wte
 
 
-def profiled_step(model, opt, tokens, cfg, step, info) -> dict:
+def profiled_step(model, opt, tokens, cfg, step, info) -> tuple[StepTimes, float]:
     """The same step under torch.profiler; rank R writes traces/rank<R>.json."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -212,7 +198,7 @@ def trace_path(cfg: Config, rank: int) -> str:
 
 def report(cfg: Config, info, result: dict) -> None:
     """Medians after warmup, the layout, the formulas beside the measurements, the timeline."""
-    med = {k: statistics.median(r[k] for r in result["rows"]) for k in result["rows"][0]}
+    med = StepTimes.median(result["rows"])
     sizes, groups = result["layout"]
     n, S = info.world_size, sum(sizes)
     dtl_dist.print0(f"bucket layout ({cfg.sync}): " + observe.format_layout(sizes, groups))
@@ -222,15 +208,15 @@ def report(cfg: Config, info, result: dict) -> None:
         f" ({'ok' if S == 4 * result['n_params'] else 'MISMATCH'}); ring traffic per "
         f"rank 2(n-1)/n x S = {BUSBW_FACTOR['all_reduce'](n) * S / 1e6:.1f} MB at n={n}"
     )
-    parts = med["fwd_ms"] + med["bwd_compute_ms"] + med["blocked_ms"]
     dtl_dist.print0(
-        f"step = fwd + bwd compute + blocked + optimizer: {med['step_ms']:.0f} ms = "
-        f"{med['fwd_ms']:.0f} + {med['bwd_compute_ms']:.0f} + {med['blocked_ms']:.0f}"
-        f" + {med['step_ms'] - parts:.0f} ms (medians of {len(result['rows'])} steps)"
+        f"step = fwd + bwd compute + blocked + (optimizer + rest): {med.step_ms:.0f} ms = "
+        f"{med.forward_ms:.0f} + {med.backward_ms:.0f} + {med.blocked_ms:.0f}"
+        f" + {med.remainder_ms:.0f} ms (medians of {len(result['rows'])} steps; the last term "
+        "is the remainder of the step, not a timed optimizer)"
     )
     dtl_dist.print0(
-        f"window overlap = (comm span - blocked) / comm span = ({med['comm_ms']:.0f}"
-        f" - {med['blocked_ms']:.0f}) / {med['comm_ms']:.0f} = {med['overlap']:.0%}"
+        f"window overlap = (comm span - blocked) / comm span = ({med.comm_ms:.0f}"
+        f" - {med.blocked_ms:.0f}) / {med.comm_ms:.0f} = {med.overlap:.0%}"
     )
     traced = ""
     if info.is_main and 0 <= cfg.profile_step < cfg.steps:
@@ -238,8 +224,8 @@ def report(cfg: Config, info, result: dict) -> None:
     dtl_dist.print0(
         f"summary: day17 sync={cfg.sync} model={cfg.model} ranks={n}: replicas identical "
         f"{'yes' if result['gap'] == 0 else 'NO'} (max diff {result['gap']:.1e}); step "
-        f"{med['step_ms']:.0f} ms = fwd {med['fwd_ms']:.0f} + bwd {med['bwd_compute_ms']:.0f} + "
-        f"blocked {med['blocked_ms']:.0f} ms; window overlap {med['overlap']:.0%}{traced}; "
+        f"{med.step_ms:.0f} ms = fwd {med.forward_ms:.0f} + bwd {med.backward_ms:.0f} + "
+        f"blocked {med.blocked_ms:.0f} ms; window overlap {med.overlap:.0%}{traced}; "
         f"{len(sizes)} buckets"
     )
 
@@ -259,7 +245,6 @@ def timeline(cfg: Config, sizes: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
-    cfg.out_dir = cfg.out_dir or f"outputs/day17_ddp/train-{cfg.sync}"
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     result = run(cfg, info)

@@ -152,7 +152,8 @@ def ensure_writable_dir(path: str, key: str = "out_dir") -> None:
 
 
 def field_comments(cls) -> dict[str, str]:
-    """Each field's documentation: its trailing `# comment`, or the comment lines just above it."""
+    """Each field's documentation: its trailing `# comment`, or else the comment lines just above
+    it (as in Python, a comment line describes what follows it)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -161,10 +162,8 @@ def field_comments(cls) -> dict[str, str]:
     docs = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            line = lines[node.end_lineno - 1]
-            trailing = re.search(r"#\s*(.*)$", line[node.end_col_offset :])
-            above = []
-            k = node.lineno - 2
+            trailing = re.search(r"#\s*(.*)$", lines[node.end_lineno - 1][node.end_col_offset :])
+            above, k = [], node.lineno - 2
             while k >= 0 and lines[k].strip().startswith("#"):
                 above.insert(0, lines[k].strip().lstrip("#").strip())
                 k -= 1

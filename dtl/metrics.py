@@ -15,6 +15,7 @@ import sys
 import torch
 
 from dtl.dist import get_rank
+from dtl.profile import StepTimes
 
 # Dense BF16 tensor-core peaks per GPU, FLOP/s (vendor datasheets; never the 2:4-sparse figure).
 # Order matters: the first name found in torch.cuda.get_device_name() wins.
@@ -91,6 +92,19 @@ def format_step(
     return " | ".join(parts)
 
 
+def _times_fields(t: StepTimes) -> dict[str, str]:
+    fields = {
+        "fwd_ms": f"{t.forward_ms:.0f}",
+        "bwd_ms": f"{t.backward_ms:.0f}",
+        "blocked_ms": f"{t.blocked_ms:.0f}",
+    }
+    if t.comm_ms is not None:
+        fields["comm_ms"] = f"{t.comm_ms:.0f}"
+    if t.overlap is not None:
+        fields["overlap"] = f"{t.overlap:.0%}"
+    return fields
+
+
 class StepLogger:
     """Prints the step line, appends it to log.txt and writes TensorBoard scalars (rank 0)."""
 
@@ -131,8 +145,23 @@ class StepLogger:
             self.bar = tqdm(total=total_steps, leave=False, dynamic_ncols=True)
 
     def log(
-        self, step: int, *, loss=None, lr=None, grad_norm=None, dt_s=None, print_line=True, **extra
+        self,
+        step: int,
+        *,
+        loss=None,
+        lr=None,
+        grad_norm=None,
+        dt_s=None,
+        times: StepTimes | None = None,
+        print_line=True,
+        **extra,
     ) -> str:
+        """One step: the line (printed and in log.txt) and TensorBoard scalars. `times`, a
+        dtl.profile.StepTimes, sets dt_s when it is not given, adds its breakdown to the line and
+        writes it under time/... (forward_ms, backward_ms, blocked_ms, optimizer_and_rest_ms)."""
+        if times is not None:
+            dt_s = dt_s if dt_s is not None else times.step_ms / 1e3
+            extra = {**_times_fields(times), **extra}
         tok_s = self.tokens_per_step / dt_s if (self.tokens_per_step and dt_s) else None
         mfu_value = (
             mfu(self.flops_per_token, tok_s, self.peak, self.n_devices)
@@ -165,6 +194,7 @@ class StepLogger:
             f"perf/{self.unit}_per_s": tok_s,
             "perf/mfu": mfu_value,
             **{f"extra/{k}": v for k, v in extra.items()},
+            **(times.scalars() if times is not None else {}),
         }
         self.scalars(step, {k: v for k, v in scalars.items() if isinstance(v, (int, float))})
         return line

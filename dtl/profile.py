@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -104,6 +105,15 @@ class StepTimes:
     def remainder_ms(self) -> float:
         """The step minus what was measured: "optimizer + rest" (never negative)."""
         return max(0.0, self.step_ms - self.forward_ms - self.backward_ms - self.blocked_ms)
+
+    @classmethod
+    def median(cls, steps: list[StepTimes]) -> StepTimes:
+        """Field by field median over several steps (a field missing in any step stays None)."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(t, f.name) for t in steps]
+            out[f.name] = None if None in values else statistics.median(values)
+        return cls(**out)
 
     def scalars(self, prefix: str = "time/") -> dict[str, float]:
         values = {k: v for k, v in asdict(self).items() if v is not None}

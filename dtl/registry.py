@@ -20,6 +20,9 @@ REGISTRY = os.path.join(REPO_ROOT, "lessons.toml")
 README = os.path.join(REPO_ROOT, "README.md")
 TABLE_BEGIN, TABLE_END = "<!-- lessons:begin -->", "<!-- lessons:end -->"
 KINDS = ("lesson", "benchmark")
+# A run that cannot run here (a GPU-only lesson on a CPU box) prints one line starting with this
+# and exits 0: the tour and the tests then show SKIP with its reason, never PASS.
+SKIP_PREFIX = "skipped:"
 
 
 @dataclass
@@ -34,10 +37,14 @@ class Run:
     # `smoke_args` appended (config overrides come last, so they shrink the same script).
     kind: str = "lesson"
     smoke_args: str = ""
+    # GPUs the GPU line needs: `make gpu-check` shows SKIP for it on a machine with fewer
+    min_gpus: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"lessons.toml run '{self.name}': kind must be one of {KINDS}")
+        if not isinstance(self.min_gpus, int) or self.min_gpus < 1:
+            raise ValueError(f"lessons.toml run '{self.name}': min_gpus must be an integer >= 1")
 
 
 @dataclass
@@ -92,11 +99,34 @@ class Result:
     missing: list[str]  # expect patterns not found
 
     @property
+    def skip_reason(self) -> str | None:
+        """Why the run skipped itself (its `skipped:` line), if it exited 0 saying so."""
+        if self.returncode != 0:
+            return None
+        lines = [ln for ln in self.output.splitlines() if ln.startswith(SKIP_PREFIX)]
+        return lines[0].removeprefix(SKIP_PREFIX).strip() if lines else None
+
+    @property
+    def status(self) -> str:
+        """PASS, FAIL or SKIP: a skip is neither a pass nor a failure."""
+        if self.skip_reason is not None:
+            return "SKIP"
+        return "PASS" if self.returncode == 0 and not self.missing else "FAIL"
+
+    @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.missing
+        """Not a failure (PASS or SKIP)."""
+        return self.status != "FAIL"
 
     def summary_lines(self) -> list[str]:
+        if self.skip_reason is not None:
+            return [f"summary: skipped: {self.skip_reason}"]
         return [line for line in self.output.splitlines() if line.startswith("summary:")]
+
+
+def skipped(lesson: Lesson, run: Run, reason: str) -> Result:
+    """A run not started at all (e.g. it needs more GPUs than present), as a SKIP result."""
+    return Result(lesson, run, 0, 0.0, f"{SKIP_PREFIX} {reason}\n", [])
 
 
 def run_env() -> dict[str, str]:

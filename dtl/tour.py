@@ -3,7 +3,11 @@
     python -m dtl.tour              # CPU lines (gloo), or GPU lines when >= 2 GPUs are visible
     python -m dtl.tour --day 15     # one day
     python -m dtl.tour --cpu        # force the CPU lines
+    python -m dtl.tour --gpu-check  # `make gpu-check`: every GPU line on the GPUs present
 
+--gpu-check runs every registered GPU launch line (benchmarks shrunk by their smoke_args) on
+however many GPUs this machine has, one included; a line that needs more GPUs than present
+(`min_gpus` in lessons.toml) is shown as SKIP with the reason, never as PASS.
 Each run's full output is kept in outputs/tour/<day>-<run>.log.
 """
 
@@ -24,41 +28,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--day", type=int, action="append", help="only these days")
     parser.add_argument("--cpu", action="store_true", help="CPU launch lines even with GPUs")
     parser.add_argument("--benchmarks", action="store_true", help="also the long benchmark runs")
+    parser.add_argument(
+        "--gpu-check", action="store_true", help="every GPU line on the GPUs present (1 or more)"
+    )
     args = parser.parse_args(argv)
-    gpu = not args.cpu and torch.cuda.device_count() >= 2
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = args.gpu_check or (not args.cpu and n_gpus >= 2)
     lessons = [x for x in registry.load() if not args.day or x.day in args.day]
     if not lessons:
         raise SystemExit(f"error: no lesson for day(s) {args.day} in lessons.toml")
     log_dir = os.path.join(registry.REPO_ROOT, "outputs", "tour")
     os.makedirs(log_dir, exist_ok=True)
-    runs = [(x, r) for x in lessons for r in x.runs if args.benchmarks or r.kind == "lesson"]
-    skipped = sum(len(x.runs) for x in lessons) - len(runs)
+    every = args.benchmarks or args.gpu_check
+    runs = [(x, r) for x in lessons for r in x.runs if every or r.kind == "lesson"]
+    left_out = sum(len(x.runs) for x in lessons) - len(runs)
+    where = f"GPU launch lines on {n_gpus} GPU(s)" if gpu else "CPU launch lines"
     print(
-        f"tour: {len(runs)} runs, {'GPU' if gpu else 'CPU'} launch lines"
-        + (f" ({skipped} benchmarks skipped: --benchmarks runs them)" if skipped else "")
+        f"tour: {len(runs)} runs, {where}"
+        + (f" ({left_out} benchmarks left out: --benchmarks runs them)" if left_out else "")
     )
     results, start = [], time.monotonic()
     for lesson, run in runs:
-        print(f"  day {lesson.day} {run.name}: {run.gpu if gpu else run.cpu}", flush=True)
-        result = registry.execute(lesson, run, gpu=gpu)
+        result = _run_one(lesson, run, gpu, n_gpus, smoke=args.gpu_check)
         with open(os.path.join(log_dir, f"day{lesson.day}-{run.name}.log"), "w") as f:
             f.write(result.output)
-        if not result.ok:
-            tail = "\n".join(result.output.splitlines()[-15:])
-            print(
-                textwrap.indent(
-                    f"FAILED (exit {result.returncode}, missing {result.missing})\n{tail}",
-                    "    ",
-                )
-            )
         results.append(result)
     print(table(results))
-    failed = sum(not r.ok for r in results)
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(
-        f"tour: {len(results) - failed} passed, {failed} failed in {time.monotonic() - start:.0f} s"
-        f" (logs in outputs/tour/)"
+        f"tour: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
+        f"{time.monotonic() - start:.0f} s (logs in outputs/tour/)"
     )
-    return 1 if failed else 0
+    return 1 if counts["FAIL"] else 0
+
+
+def _run_one(lesson, run, gpu: bool, n_gpus: int, smoke: bool) -> registry.Result:
+    """One launch line, or a SKIP when its GPU line needs more GPUs than this machine has."""
+    extra = run.smoke_args if smoke and run.kind == "benchmark" else ""
+    line = f"{run.gpu if gpu else run.cpu} {extra}".strip()
+    if gpu and run.min_gpus > n_gpus:
+        print(f"  day {lesson.day} {run.name}: SKIP (needs {run.min_gpus} GPUs)", flush=True)
+        return registry.skipped(
+            lesson, run, f"needs {run.min_gpus} GPUs, this machine has {n_gpus}"
+        )
+    print(f"  day {lesson.day} {run.name}: {line}", flush=True)
+    result = registry.execute(lesson, run, gpu=gpu, extra_args=extra)
+    if result.status == "FAIL":
+        tail = "\n".join(result.output.splitlines()[-15:])
+        print(
+            textwrap.indent(
+                f"FAILED (exit {result.returncode}, missing {result.missing})\n{tail}", "    "
+            )
+        )
+    return result
 
 
 WIDTH = 96  # the "what the run showed" column; longer summary lines wrap
@@ -77,7 +99,7 @@ def table(results: list[registry.Result]) -> str:
         ]
         for i, text in enumerate(texts):
             head = f"{r.lesson.day:<4} {r.run.name:<14}" if i == 0 else " " * 19
-            tail = f"{r.seconds:>5.0f}s  {'PASS' if r.ok else 'FAIL'}" if i == 0 else ""
+            tail = f"{r.seconds:>5.0f}s  {r.status}" if i == 0 else ""
             rows.append(f"{head} {text:<{WIDTH}} {tail}".rstrip())
     return "\n".join(rows)
 

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from day17_ddp import ddp_manual
+from day17_ddp import ddp_logging, ddp_manual, observe
 from day17_ddp.ddp_manual import SYNC_MODES, BucketDDP, SyncError, wrap
+from dtl.comm import CommCounter
 from dtl.data import get_batch
-from dtl.model import GPT, preset
-from dtl.testing import run_distributed
+from dtl.model import GPT, loss_fn, preset
+from dtl.testing import flat_params, reference_train, run_distributed
 
 CFG = preset("tiny")
 B, T, K, LR = 2, 16, 3, 0.5  # per-rank batch, sequence, optimizer steps, SGD lr (large on purpose)
@@ -30,12 +32,8 @@ def tokens() -> np.ndarray:
     return np.random.default_rng(0).integers(0, CFG.vocab_size, 20_000).astype(np.uint16)
 
 
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def train(model, rank, world, steps=K, micro=1, wrong_toggle=False):
-    """AdamW steps; each step = `micro` forward/backward micro-steps (grad accumulation)."""
+    """SGD steps; each step = `micro` forward/backward micro-steps (grad accumulation)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     data = tokens()
     for step in range(steps):
@@ -45,10 +43,15 @@ def train(model, rank, world, steps=K, micro=1, wrong_toggle=False):
             xs, ys = x[m * B : (m + 1) * B], y[m * B : (m + 1) * B]
             if micro > 1 and not wrong_toggle:  # correct: the flag holds during forward too
                 model.require_backward_grad_sync = last
-            _, loss = model(xs, ys)
+            loss = loss_fn(model(xs), ys)
             if wrong_toggle:  # the build-nanogpt PR #30 bug: the flag set only before backward
                 model.require_backward_grad_sync = last
             (loss / micro).backward()
+        if hasattr(model, "stats"):  # hand-written syncs: keep each step's in-flight count
+            model.pending_log = [
+                *getattr(model, "pending_log", []),
+                model.stats.pending_at_compute_end,
+            ]
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model
@@ -58,12 +61,9 @@ def reference(world, steps=K, micro=1) -> torch.Tensor:
     model = GPT(CFG, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     data = tokens()
-    for step in range(steps):  # one process, the global batch: world x micro x B rows
-        x, y = get_batch(data, T, B * micro * world, seed=0, step=step)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    # one process, the global batch: world x micro x B rows
+    global_batch = lambda step: get_batch(data, T, B * micro * world, seed=0, step=step)
+    reference_train(model, global_batch, opt, steps)
     return flat_params(model)
 
 
@@ -83,7 +83,11 @@ def _all_modes(micro):
         params = flat_params(train(model, rank, world, micro=micro))
         results[sync] = gather(params)
         if sync != "ddp":  # was each all-reduce launched before the last gradient was ready?
-            launches[sync] = [e[0] < model.stats.last_ready for e in model.stats.events]
+            stats = model.stats
+            launches[sync] = (
+                [e[0] < stats.last_ready for e in stats.events],
+                model.pending_log,  # per step: in flight when backward compute ended
+            )
     return results, launches
 
 
@@ -154,7 +158,7 @@ def test_all_four_syncs_match_single_process_after_k_steps_at_world_2(world2):
 
 
 def test_naive_launches_after_backward_overlap_and_bucket_launch_during_it(world2):
-    launches = world2[0][1]  # per all-reduce: launched before the last gradient was ready?
+    launches = {sync: early for sync, (early, _) in world2[0][1].items()}
     # naive: 28 all-reduces (one per tensor), all after backward produced its last gradient
     assert len(launches["naive"]) == 28 and not any(launches["naive"])
     # overlap: one per tensor, each from its own hook: all but the last gradient's go out while
@@ -163,6 +167,18 @@ def test_naive_launches_after_backward_overlap_and_bucket_launch_during_it(world
     # bucket: one per bucket; every bucket but the one the last gradient completes goes out early
     n_buckets = len(launches["bucket"])
     assert 2 < n_buckets < 28 and sum(launches["bucket"]) == n_buckets - 1
+
+
+def test_overlap_and_bucket_all_reduces_are_still_in_flight_when_backward_compute_ends(world2):
+    # async: the all-reduce the last gradient launched (at least) has usually not finished when
+    # the backward graph is done; a blocking all-reduce inside the hook leaves 0 in flight on
+    # every step. (Measured: bucket has 0 in flight on ~15% of steps, when the other rank was
+    # late, so the test takes the max over 3 steps x 2 runs; overlap has ~27 of 28.)
+    pending = {sync: max(log) for sync, (_, log) in world2[0][1].items()}
+    pending_micro = {sync: max(log) for sync, (_, log) in world2[1][1].items()}
+    assert pending["naive"] == pending_micro["naive"] == 0  # naive launches nothing in backward
+    for sync in ("overlap", "bucket"):
+        assert max(pending[sync], pending_micro[sync]) >= 1, (sync, pending, pending_micro)
 
 
 def _world4_body():
@@ -229,3 +245,82 @@ def test_train_script_rejects_bad_input_with_one_line_and_exit_2(arg, message):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+# --- no_sync: count the collectives, not just the result -------------------------------------
+
+
+def _all_reduces_per_micro_step_under_no_sync():
+    """All-reduce calls in each of 3 micro-steps (the first two inside model.no_sync()), per sync,
+    on the second optimizer step (after DDP and BucketDDP rebuilt their buckets)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data, out = tokens(), {}
+    for sync in SYNC_MODES:
+        model = wrap(GPT(CFG, seed=0), sync, bucket_cap_mb=0.02, first_bucket_mb=0.01)
+        if sync == "ddp":
+            # DDP's Reducer all-reduces from C++, out of CommCounter's sight; torch's own
+            # allreduce_hook does the same per bucket through dist.all_reduce, which it sees
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(2):
+            x, y = get_batch(data, T, 3 * B, seed=0, step=step, dp_rank=rank, dp_size=world)
+            counts = []
+            for m in range(3):
+                with CommCounter() as comm:  # sees dist.all_reduce calls from Python
+                    if m < 2:
+                        with model.no_sync():
+                            loss_fn(
+                                model(x[m * B : (m + 1) * B]), y[m * B : (m + 1) * B]
+                            ).backward()
+                    else:
+                        loss_fn(model(x[m * B : (m + 1) * B]), y[m * B : (m + 1) * B]).backward()
+                counts.append(comm.calls["all_reduce"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if sync == "ddp":
+            n_buckets = len(ddp_logging.rebuilt_buckets(model)[0])
+        else:
+            n_buckets = len(model.layout) if sync == "bucket" else len(model.params)
+        out[sync] = (counts, n_buckets)
+    return out
+
+
+def test_no_sync_issues_no_all_reduce_until_the_last_micro_step_then_one_per_bucket():
+    per_rank = run_distributed(_all_reduces_per_micro_step_under_no_sync, world_size=2)
+    for sync, (counts, n_buckets) in per_rank[0].items():
+        # naive and overlap: one "bucket" per tensor (28); bucket and ddp: their layouts (> 2)
+        assert n_buckets > 2, (sync, n_buckets)
+        assert counts == [0, 0, n_buckets], f"{sync}: all-reduces per micro-step {counts}"
+
+
+# --- bucket launch order on a layout that differs from the ready order -------------------------
+
+
+def _launches_on_a_layout_in_registration_order():
+    model = BucketDDP(GPT(CFG, seed=0), bucket_cap_mb=0.02, first_bucket_mb=0.01, rebuild=False)
+    # registration order: bucket 0 holds wte and wpe, whose grads are ready *last* in backward
+    model.build(list(range(len(model.params))))
+    loss_fn(model(torch.randint(0, 256, (B, T))), torch.randint(0, 256, (B, T))).backward()
+    launched = [e[3] for e in model.stats.events]
+    return launched, model.stats.bucket_ready_order
+
+
+def test_buckets_launch_in_index_order_even_when_they_become_ready_in_another():
+    launched, ready = run_distributed(_launches_on_a_layout_in_registration_order, world_size=2)[0]
+    assert ready != sorted(ready), "the layout should make later buckets ready first"
+    assert launched == list(range(len(ready))), f"launched {launched}, ready order {ready}"
+
+
+# --- the step breakdown on synthetic numbers -------------------------------------------------
+
+
+def test_step_breakdown_on_synthetic_times_naive_gives_zero_overlap():
+    # naive: every all-reduce runs after compute ends, and the thread waits for all of it
+    naive = dict(compute_end=1.0, comm_start=1.0, comm_end=1.05, blocked=0.05)
+    t = observe.breakdown_from_times(naive, fwd_s=0.02, bwd_s=0.08, step_s=0.12)
+    assert t.overlap == pytest.approx(0.0, abs=1e-12) and t.blocked_ms == pytest.approx(50)
+    assert t.backward_ms == pytest.approx(30) and t.remainder_ms == pytest.approx(20)
+    # overlapped: comm spans 0.90-1.02, the thread waits only for the last 20 ms of it
+    early = dict(compute_end=1.0, comm_start=0.90, comm_end=1.02, blocked=0.02)
+    t = observe.breakdown_from_times(early, fwd_s=0.02, bwd_s=0.08, step_s=0.12)
+    assert t.overlap == pytest.approx(100 / 120) and t.comm_ms == pytest.approx(120)

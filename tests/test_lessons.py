@@ -24,6 +24,8 @@ def test_cpu_launch_line_runs_and_prints_its_summary(lesson, run):
     result = registry.execute(lesson, run, extra_args=run.smoke_args)
     line = f"{run.cpu} {run.smoke_args}".strip()
     tail = "\n".join(result.output.splitlines()[-25:])
+    if result.status == "SKIP":  # e.g. DataParallel without 2 GPUs: said, not passed
+        pytest.skip(f"`{line}` skipped itself: {result.skip_reason}")
     assert result.returncode == 0, f"`{line}` exited {result.returncode}:\n{tail}"
     assert not result.missing, f"`{line}` did not print {result.missing}:\n{tail}"
     assert result.summary_lines(), "a lesson run must print at least one `summary:` line"
@@ -58,13 +60,53 @@ def test_benchmarks_carry_smoke_args_and_lessons_do_not():
         assert bool(run.smoke_args) == (run.kind == "benchmark"), run.name
 
 
-def test_tour_table_shows_summary_pass_and_fail():
+def test_tour_table_shows_summary_pass_fail_and_skip():
     lesson, run = RUNS[0]
     ok = registry.Result(lesson, run, 0, 3.2, "noise\nsummary: 5/5 checks passed\n", [])
     bad = registry.Result(lesson, run, 1, 9.0, "Traceback ...\n", [])
-    text = tour.table([ok, bad])
+    skip = registry.Result(lesson, run, 0, 1.0, "skipped: needs 2 GPUs\n", ["^summary: x"])
+    assert (ok.status, bad.status, skip.status) == ("PASS", "FAIL", "SKIP")
+    text = tour.table([ok, bad, skip])
     assert "5/5 checks passed" in text and "PASS" in text
     assert "(no summary line)" in text and "FAIL" in text
+    assert "skipped: needs 2 GPUs" in text and text.rstrip().endswith("SKIP")
+    # a crash that printed a skip line first is still a failure
+    crashed = registry.Result(lesson, run, 1, 1.0, "skipped: x\nTraceback\n", [])
+    assert crashed.status == "FAIL" and not crashed.ok
+
+
+def test_gpu_check_without_enough_gpus_shows_skip_with_the_reason_never_pass(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: make gpu-check would really run the lines")
+    assert tour.main(["--gpu-check", "--day", "17"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("17 ")]
+    assert len(rows) == len(next(x for x in LESSONS if x.day == 17).runs)
+    assert all(r.endswith("SKIP") for r in rows) and "PASS" not in out
+    assert "needs 2 GPUs, this machine has 0" in out  # dataparallel's min_gpus
+
+
+SCRIPTS = sorted(
+    {shlex.split(r.cpu)[shlex.split(r.cpu).index("-m") + 1] for _, r in RUNS}
+    | {"day16_nccl.nccl_log"}
+)
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_every_script_answers_help_before_any_process_group(module):
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: "), proc.stdout[:300]
+    options = [ln for ln in proc.stdout.splitlines() if ln.startswith("  --") and "=" in ln]
+    for line in options:  # every field: a flag, a one-line description and its default
+        flag, _, doc = line.strip().partition("  ")
+        assert doc.strip() and not doc.strip().startswith("(default"), f"{module}: {line}"
 
 
 def test_a_launch_line_that_times_out_leaves_no_workers_behind():
