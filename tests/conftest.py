@@ -1,12 +1,18 @@
-"""Test-wide settings: one thread per rank, Hugging Face offline, outputs under a temp dir."""
+"""Test-wide settings: one thread per rank, Hugging Face offline, DeepSpeed's prebuilt ops."""
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DTL_TIMEOUT_S", "60")
+# where `make install` built DeepSpeed's C++ ops (tools/warm_deepspeed_ops.py): a plain `pytest`
+# must find them there too, or the first DeepSpeed test would compile for a minute
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than let DeepSpeed warn
 torch.set_num_threads(1)

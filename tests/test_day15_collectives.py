@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from day15_collectives import collectives, ddp_mnist
 from dtl import data
-from dtl.testing import run_distributed
+from dtl.testing import reference_train, run_distributed
 
 
 def _every_check_on_world_and_sub_groups():
@@ -26,7 +25,7 @@ def _every_check_on_world_and_sub_groups():
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])  # 3: uneven sub-groups, even {0, 2} odd {1}
 def test_every_collective_matches_its_closed_form_on_world_and_sub_groups(world_size):
     per_rank = run_distributed(_every_check_on_world_and_sub_groups, world_size=world_size)
     for rank, results in enumerate(per_rank):
@@ -100,21 +99,18 @@ def _ddp_train():
     rank, world = dist.get_rank(), dist.get_world_size()
     xs, ys = _global_batches(world)
     model = DDP(ddp_mnist.build_model(seed=1).double())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for x, y in zip(xs, ys):  # rank r takes rows [r*B, (r+1)*B) of each global batch
-        mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-        ddp_mnist.train_step(model, opt, x[mine], y[mine])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)  # rows of each global batch
+    reference_train(model, lambda step: (xs[step][mine], ys[step][mine]), opt, STEPS)
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
 def _reference_train(world_size):
     xs, ys = _global_batches(world_size)
     model = ddp_mnist.build_model(seed=1).double()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for x, y in zip(xs, ys):  # one process, the whole global batch: mean loss over all rows
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # one process, the whole global batch: the mean loss over all rows
+    reference_train(model, lambda step: (xs[step], ys[step]), opt, STEPS)
     return model.state_dict()
 
 
@@ -123,7 +119,9 @@ def test_ddp_parameters_after_k_steps_equal_one_process_on_the_global_batches():
     reference = _reference_train(2)
     for name, ref in reference.items():
         # fp64: DDP averages two half-batch gradients, the reference takes one mean over the
-        # global batch; only the order of additions differs, so 1e-10 is plenty
+        # global batch; only the order of additions differs, so 1e-10 is plenty. SGD, not
+        # Adam: Adam's update is invariant to scaling the gradient, so it would hide a DDP that
+        # summed instead of averaging; SGD's step would be twice too large.
         torch.testing.assert_close(per_rank[0][name], ref, rtol=1e-10, atol=1e-10)
         assert torch.equal(per_rank[0][name], per_rank[1][name]), f"replicas differ in {name}"
     first = next(iter(reference))
@@ -166,6 +164,11 @@ def test_mnist_idx_files_round_trip(tmp_path):
         (["--mnist_path=/no/such/dir"], "mnist_path is not a folder: /no/such/dir"),
         (["--config", "/no/such.toml"], "config file not found: /no/such.toml"),
         (["--mnist_path=/"], "MNIST file train-images-idx3-ubyte[.gz] not found in /"),
+        # the review's tracebacks and the minute of training before failing, now one line each
+        (["--lr=nan"], "config key 'lr' must be a finite number > 0, got nan"),
+        (["--lr=-1"], "config key 'lr' must be a finite number > 0, got -1.0"),
+        (["--target_accuracy=2"], "config key 'target_accuracy' must be a fraction in [0, 1]"),
+        (["--out_dir=/proc/no/such"], "out_dir '/proc/no/such' is not a writable folder"),
     ],
 )
 def test_ddp_mnist_bad_input_is_a_one_line_error_before_any_process_group(args, message):

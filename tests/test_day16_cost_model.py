@@ -21,6 +21,30 @@ def test_trees_are_binary_trees_and_no_rank_is_inner_in_both(n):
     assert not t1.inner() & t2.inner(), "a rank is an inner node in both trees"
 
 
+@pytest.mark.parametrize(
+    "n, k, rounds",
+    [
+        (2, 1, 2),  # root 1, leaf 0: up one round, down one round
+        (4, 8, 11),  # height 2 (3 -> 1 -> 0, 2): 8 chunks + 2 x 2 - 1
+        (8, 8, 13),  # height 3
+        (5, 3, 6),  # height 2 (rank 4 hangs under the root 3): 3 + 4 - 1
+    ],
+)
+def test_tree_round_counts_are_pinned_and_the_first_and_last_rounds_carry_work(n, k, rounds):
+    tree = algo.binary_tree(n)
+    assert algo.tree_rounds(tree, k) == rounds
+    busy = [
+        any(algo.tree_round_ops(tree, r, t, k) != ([], []) for r in range(n))
+        for t in range(rounds + 2)
+    ]
+    # the count is the schedule's length: work in round 0 and in the last round, none after
+    assert busy[0] and busy[rounds - 1] and not any(busy[rounds:]), busy
+    # dbt: two trees over half the data each, same rounds at n = 4 (the mirror has height 2 too)
+    if n == 4:
+        assert cost_model.tree_counts("dbt", 2 * 8 * 16, 4, 4, 64)[0] == rounds
+        assert cost_model.tree_counts("tree", 8 * 16, 4, 4, 64)[0] == rounds
+
+
 def _replay(algo_name, numel, n, elem, chunk, cores):
     """Brute force: walk tree_round_ops for every rank and round (what the ranks really do)."""
     per = chunk // elem

@@ -324,3 +324,19 @@ def test_step_breakdown_on_synthetic_times_naive_gives_zero_overlap():
     early = dict(compute_end=1.0, comm_start=0.90, comm_end=1.02, blocked=0.02)
     t = observe.breakdown_from_times(early, fwd_s=0.02, bwd_s=0.08, step_s=0.12)
     assert t.overlap == pytest.approx(100 / 120) and t.comm_ms == pytest.approx(120)
+
+
+def test_a_torch_that_changed_ddps_private_logging_gets_one_line_naming_the_call():
+    class NotQuiteDDP:  # what a future torch could look like: the private method is gone
+        logger = None
+
+    with pytest.raises(ddp_logging.DDPInternalsChanged) as err:
+        ddp_logging.time_every_iteration(NotQuiteDDP())
+    message = str(err.value)
+    assert "_set_ddp_runtime_logging_sample_rate" in message and torch.__version__ in message
+    assert "\n" not in message
+    with pytest.raises(ddp_logging.DDPInternalsChanged, match="_get_ddp_logging_data"):
+        ddp_logging.logging_data(NotQuiteDDP())
+    with pytest.raises(ddp_logging.DDPInternalsChanged, match="set_runtime_stats_and_log"):
+        ddp_logging.comm_times_s(NotQuiteDDP())
+    assert ddp_logging.check_version() is None  # this torch is inside the tested range

@@ -133,4 +133,3 @@ def test_every_float_must_be_finite_even_without_a_rule():
     assert config.load(NoFloats, ["--ratio=-3"]).ratio == -3.0
     with pytest.raises(config.ConfigError, match="'ratio' must be a finite number, got nan"):
         config.load(NoFloats, ["--ratio=nan"])
-

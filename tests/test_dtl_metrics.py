@@ -58,6 +58,39 @@ def test_step_logger_writes_log_txt_and_tensorboard_scalars(tmp_path, capsys):
     assert acc.Scalars("perf/mfu")[0].value == pytest.approx(0.012)
 
 
+def test_step_times_reach_the_line_and_tensorboard(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dtl.profile import StepTimes
+
+    log = metrics.StepLogger(str(tmp_path), 2, tokens_per_step=100)
+    times = StepTimes(step_ms=200, forward_ms=50, backward_ms=90, blocked_ms=20, comm_ms=80,
+                      overlap=0.75)  # fmt: skip
+    log.log(1, loss=2.0, times=times)
+    log.close()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (
+        "step 1/2 | loss 2.0000 | 200 ms | 500 tok/s | fwd_ms 50 | bwd_ms 90 | blocked_ms 20 | "
+        "comm_ms 80 | overlap 75%"
+    )
+    acc = EventAccumulator(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))[0])
+    acc.Reload()
+    got = {
+        tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("time/")
+    }
+    assert got == pytest.approx(
+        {
+            "time/step_ms": 200,
+            "time/forward_ms": 50,
+            "time/backward_ms": 90,
+            "time/blocked_ms": 20,
+            "time/comm_ms": 80,
+            "time/overlap": 0.75,
+            "time/optimizer_and_rest_ms": 40,
+        }
+    )
+
+
 @pytest.mark.parametrize(
     "name, peak",
     [
