@@ -49,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results, start = [], time.monotonic()
     for lesson, run in runs:
-        result = _run_one(lesson, run, gpu, n_gpus, smoke=args.gpu_check)
-        with open(os.path.join(log_dir, f"day{lesson.day}-{run.name}.log"), "w") as f:
-            f.write(result.output)
-        results.append(result)
+        results.append(_run_one(lesson, run, gpu, n_gpus, smoke=args.gpu_check, log_dir=log_dir))
     print(table(results))
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(
@@ -62,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if counts["FAIL"] else 0
 
 
-def _run_one(lesson, run, gpu: bool, n_gpus: int, smoke: bool) -> registry.Result:
-    """One launch line, or a SKIP when its GPU line needs more GPUs than this machine has."""
+def _run_one(lesson, run, gpu: bool, n_gpus: int, smoke: bool, log_dir: str) -> registry.Result:
+    """One launch line (its output kept in log_dir), or a SKIP when its GPU line needs more GPUs
+    than this machine has (nothing runs, and the last real run's log stays)."""
     extra = run.smoke_args if smoke and run.kind == "benchmark" else ""
     line = f"{run.gpu if gpu else run.cpu} {extra}".strip()
     if gpu and run.min_gpus > n_gpus:
@@ -73,6 +71,8 @@ def _run_one(lesson, run, gpu: bool, n_gpus: int, smoke: bool) -> registry.Resul
         )
     print(f"  day {lesson.day} {run.name}: {line}", flush=True)
     result = registry.execute(lesson, run, gpu=gpu, extra_args=extra)
+    with open(os.path.join(log_dir, f"day{lesson.day}-{run.name}.log"), "w") as f:
+        f.write(result.output)
     if result.status == "FAIL":
         tail = "\n".join(result.output.splitlines()[-15:])
         print(
