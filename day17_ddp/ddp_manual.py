@@ -93,6 +93,7 @@ class _GradSync(nn.Module):
         self._armed = False  # "expect_autograd_hooks_": this backward must sync
         self._queued = False
         self._ready = set()
+        self._futures: list = []
         self.stats = CommStats()
         self._broadcast_from_rank0()
         for i, p in enumerate(self.params):
@@ -117,6 +118,7 @@ class _GradSync(nn.Module):
     def prepare_for_backward(self) -> None:
         self.stats = CommStats()
         self._ready.clear()
+        self._futures = []  # the async all-reduces this backward launches (none for naive)
 
     @contextmanager
     def no_sync(self):
@@ -143,7 +145,7 @@ class _GradSync(nn.Module):
     def _finalize(self) -> None:
         # Reducer::finalize_backward: runs after the last AccumulateGrad, before backward returns
         self.stats.compute_end = time.perf_counter()
-        self.stats.pending_at_compute_end = sum(not f.done() for f in self.futures())
+        self.stats.pending_at_compute_end = sum(not f.done() for f in self._futures)
         missing = [i for i in range(len(self.params)) if i not in self._ready]
         if missing:
             raise RuntimeError(
@@ -164,10 +166,6 @@ class _GradSync(nn.Module):
             return fut.value()
 
         return work.get_future().then(done)
-
-    def futures(self) -> list:
-        """The async all-reduces launched in this backward (none for the naive sync)."""
-        return getattr(self, "_futures", [])
 
     # the strategy-specific part
     def grad_ready(self, i: int, p: torch.Tensor) -> None:
@@ -193,10 +191,6 @@ class NaiveDDP(_GradSync):
 
 class OverlapDDP(_GradSync):
     """One async all-reduce per parameter, launched by its hook while backward goes on."""
-
-    def prepare_for_backward(self):
-        super().prepare_for_backward()
-        self._futures = []
 
     def grad_ready(self, i, p):
         # p.grad is final for this backward: AccumulateGrad ran and nothing writes it again
@@ -238,7 +232,7 @@ class BucketDDP(_GradSync):
         if self.rebuild and not self.rebuilt and len(self.ready_order) == len(self.params):
             self.rebuild_buckets()
         self.pending = [len(idx) for idx in self.layout]
-        self.next_bucket, self._futures = 0, []
+        self.next_bucket = 0
 
     def rebuild_buckets(self) -> None:
         # Reducer::rebuild_buckets + sync_bucket_indices: rank 0's observed order wins everywhere
