@@ -23,7 +23,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: tour test gpu-check lint readme install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile tools/warm_deepspeed_ops.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
