@@ -4,6 +4,7 @@ the ring / built-in ratio, and the alpha-beta fit with its prediction errors (ra
 from __future__ import annotations
 
 import csv
+import math
 import os
 import statistics
 
@@ -86,6 +87,14 @@ def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], d
         f"cost model t = steps * alpha + B / beta, per round: {view}",
         f"fitted on {len(pts)} median times: alpha = {alpha * 1e6:.1f} us, "
         f"beta = {beta / 1e9:.3f} GB/s",
+        *(
+            []
+            if math.isfinite(beta)
+            else [
+                "beta = inf: the times did not grow with the message size here (too few or too "
+                "noisy sizes to see a bandwidth term); the fit kept alpha alone (try --reps=9)"
+            ]
+        ),
         f"{'algo':<6}{'size':>9}{'steps':>7}{'B/S':>7}{'measured us':>13}{'model us':>10}"
         f"{'error':>7}  closed form",
     ]

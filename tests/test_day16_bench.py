@@ -3,6 +3,7 @@ collective, every op's correctness check passes (and can fail), busbw uses nccl-
 the step/byte counts match, Ctrl-C prints the partial table, the CPU forensics path works."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from day16_nccl import algorithms, bench, cost_model, forensics, nccl_log, ops, report
 from dtl import config as dtl_config
+from dtl import registry
 from dtl.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +198,22 @@ def test_ctrl_c_prints_the_rows_measured_so_far(tmp_path):
     assert "interrupted: " in rest, rest[-2000:]
     with open(tmp_path / "bench_partial.csv") as f:
         assert len(f.read().splitlines()) >= 1 + 3  # header + the rows printed before Ctrl-C
+
+
+def test_times_that_do_not_grow_with_size_fit_beta_inf_and_say_why(tmp_path, capsys):
+    # what a smoke run on a noisy box can measure: 4 MiB no slower than 1 MiB
+    rows = [
+        dict(op=op, nbytes=s, count=s // 4, dtype="float32", n=2, time_us=2000.0, min_us=2000.0,
+             algbw=s / 2e-3 / 1e9, busbw=s / 2e-3 / 1e9, wrong=0)
+        for op in report.MODEL_ALGOS
+        for s in (2**20, 2**22)
+    ]  # fmt: skip
+    cfg = dtl_config.load(bench.Config, [f"--out_dir={tmp_path}"])
+    lines, model = report.model_report(rows, cfg, cores=2)
+    assert model["beta"] == float("inf") and model["alpha"] > 0
+    assert any(line.startswith("beta = inf: the times did not grow") for line in lines)
+    report.write(cfg, rows, final=True, cores=2)
+    out = capsys.readouterr().out
+    run = next(r for x in registry.load() if x.day == 16 for r in x.runs if r.name == "bench")
+    pattern = next(p for p in run.expect if "cost model" in p)
+    assert re.search(pattern, out, re.M), "the launch line's expect must accept beta = inf"
