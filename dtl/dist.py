@@ -181,6 +181,11 @@ def _key(axes) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in axes)
 
 
+def _pipeline_ends(pp_ranks: list[int]) -> list[int]:
+    """The first and last stage of a pipeline group: one rank when there is one stage."""
+    return sorted({pp_ranks[0], pp_ranks[-1]})
+
+
 class ParallelGrid:
     """Rank <-> (pp, dp, cp, tp) coordinates, and process groups along axes and their combinations.
 
@@ -257,8 +262,7 @@ class ParallelGrid:
     def embedding_ranks(self) -> list[int]:
         """First and last pipeline stage of this rank's pp group (one rank when pp == 1): the
         ranks holding wte and the tied lm_head, whose gradients must be summed."""
-        pp_ranks = self.ranks_along("pp")
-        return sorted({pp_ranks[0], pp_ranks[-1]})
+        return _pipeline_ends(self.ranks_along("pp"))
 
     @property
     def is_first_stage(self) -> bool:
@@ -271,14 +275,16 @@ class ParallelGrid:
     @property
     def next_rank(self) -> int:
         """Global rank of the next pipeline stage (the last stage's next is the first)."""
-        pp_ranks = self.ranks_along("pp")
-        return pp_ranks[(self.coords["pp"] + 1) % len(pp_ranks)]
+        return self._stage_rank(+1)
 
     @property
     def prev_rank(self) -> int:
         """Global rank of the previous pipeline stage (the first stage's previous is the last)."""
+        return self._stage_rank(-1)
+
+    def _stage_rank(self, offset: int) -> int:
         pp_ranks = self.ranks_along("pp")
-        return pp_ranks[(self.coords["pp"] - 1) % len(pp_ranks)]
+        return pp_ranks[(self.coords["pp"] + offset) % len(pp_ranks)]
 
     # --- process groups -------------------------------------------------------------------------
     def _build_groups(self) -> None:
@@ -288,14 +294,11 @@ class ParallelGrid:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[key] = group
-        seen = set()
-        for pp_ranks in self.group_ranks("pp"):
-            ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-            if tuple(ranks) not in seen:
-                seen.add(tuple(ranks))
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.embedding_group = group
+        for pp_ranks in self.group_ranks("pp"):  # pp groups are disjoint: one group each
+            ranks = _pipeline_ends(pp_ranks)
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.embedding_group = group
 
     def group(self, *axes: str):
         """The process group of this rank spanning `axes` (e.g. group("dp", "cp"))."""

@@ -243,8 +243,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.wte.weight
+        self.tie_weights()
         self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -252,9 +251,13 @@ class GPT(nn.Module):
         self.seed = self.seed if seed is None else seed
         if any(p.is_meta for p in self.parameters()):
             return  # shapes only (counting, or before to_empty + materialize)
-        if self.cfg.tie_weights and self.wte is not None and self.lm_head is not None:
-            self.lm_head.weight = self.wte.weight  # to_empty() after a meta build unties them
+        self.tie_weights()  # to_empty() after a meta build unties them
         init_parameters(self, self.seed, self.cfg.n_layer, tied=self.cfg.tie_weights)
+
+    def tie_weights(self) -> None:
+        """lm_head shares wte's weight (GPT-2), where the config ties them and both are here."""
+        if self.cfg.tie_weights and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight
 
     def set_attention(self, attn_fn: AttentionFn) -> None:
         for block in self.blocks.values():
@@ -349,8 +352,8 @@ def materialize(
     """
     module.to_empty(device=device)
     tied = isinstance(module, GPT) and module.cfg.tie_weights
-    if tied and module.wte is not None and module.lm_head is not None:
-        module.lm_head.weight = module.wte.weight
+    if tied:
+        module.tie_weights()
     init_parameters(module, seed, n_layer, prefix, tied=tied)
     return module
 
