@@ -129,16 +129,28 @@ def skipped(lesson: Lesson, run: Run, reason: str) -> Result:
     return Result(lesson, run, 0, 0.0, f"{SKIP_PREFIX} {reason}\n", [])
 
 
+def use_venv_tools(env) -> None:
+    """Point `env` (a dict, or os.environ) at this venv's tools and DeepSpeed's prebuilt ops.
+
+    Its bin first on PATH: the venv's ninja (1.13) built DeepSpeed's ops at install
+    (tools/warm_deepspeed_ops.py), and another ninja version cannot read its build log and
+    rebuilds every op (measured: ~90 s inside the first DeepSpeed test). TORCH_EXTENSIONS_DIR:
+    where those ops are, unless set. Used by launch lines, the tests and the build script alike.
+    """
+    venv_bin = os.path.dirname(sys.executable)
+    if env.get("PATH", "").split(os.pathsep)[0] != venv_bin:
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
 def run_env() -> dict[str, str]:
-    """The environment a launch line runs in: this venv first on PATH, offline HF, 1 thread."""
+    """The environment a launch line runs in: this venv's tools, offline HF, 1 thread."""
     env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    use_venv_tools(env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # DeepSpeed's C++ ops as `make install` built them (tools/warm_deepspeed_ops.py)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     return env
 
 

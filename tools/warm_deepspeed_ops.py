@@ -24,17 +24,17 @@ import time
 def main() -> int:
     import torch
 
+    from dtl.registry import use_venv_tools
+
     if torch.cuda.is_available():
         print("warm_deepspeed_ops: CUDA present, DeepSpeed builds its GPU ops on first use")
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ext = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    use_venv_tools(os.environ)  # the venv's ninja and ops folder, as tests and lessons will use
+    ext = os.environ["TORCH_EXTENSIONS_DIR"]
     if not os.path.isabs(ext):
         print("warm_deepspeed_ops: set TORCH_EXTENSIONS_DIR to an absolute path", file=sys.stderr)
         return 2
-    venv_bin = os.path.dirname(sys.executable)
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:  # the venv's ninja, as tests
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     from deepspeed.accelerator import get_accelerator
 
     # a build killed half-way leaves <op>/lock behind, and every later load waits on it forever
