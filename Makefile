@@ -26,7 +26,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: tour test gpu-check lint readme install clean
 
-$(STAMP): pyproject.toml Makefile tools/warm_deepspeed_ops.py
+# a new day package needs the editable install redone (its finder maps the packages it knew)
+$(STAMP): pyproject.toml Makefile tools/warm_deepspeed_ops.py $(wildcard day*/__init__.py)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))

@@ -1,0 +1,158 @@
+"""Day 18 benchmark: hand ZeRO-2 vs DeepSpeed stage 2, hand ZeRO-3 vs FSDP2, step time ratios.
+
+Not a test: timings on a shared 2-core box are noisy, so both trainers live in one process
+group, train the same model on the same batches, and their steps alternate (A, B, A, B, ...);
+each ratio is median(A) / median(B) after warm-up steps.
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.bench                 # ~1-2 min
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.bench --pairs=zero3
+GPUs: torchrun --standalone --nproc_per_node=gpu -m day18_zero.bench --model=gpt2-124m \
+          --dtype=bf16 --seq_len=512 --batch_size=8
+Writes outputs/day18_zero/bench/bench.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from day18_zero import engines
+from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.model import GPT, PRESETS, preset
+
+# pair name -> (A, B): (impl, stage) of the two trainers compared
+PAIRS = {
+    "zero2": (("hand", 2), ("deepspeed", 2)),
+    "zero3": (("hand", 3), ("torch", 3)),
+}
+
+
+@dataclass
+class Config:
+    pairs: str = "zero2,zero3"  # comma-separated: zero2 (hand vs DeepSpeed), zero3 (hand vs FSDP2)
+    model: str = "small"  # GPT preset
+    dtype: str = "fp32"  # fp32 | bf16 (the torch side of zero3 runs fp32 only)
+    batch_size: int = 4  # sequences per rank
+    seq_len: int = 64  # tokens per sequence
+    steps: int = 12  # steps per trainer, alternating
+    warmup: int = 2  # first steps of each trainer left out of the medians
+    out_dir: str = "outputs/day18_zero/bench"  # bench.csv
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        self.pair_list = [p.strip() for p in self.pairs.split(",") if p.strip()]
+        bad = [p for p in self.pair_list if p not in PAIRS]
+        if bad or not self.pair_list:
+            raise err(f"unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise err(f"dtype must be fp32 or bf16, got '{self.dtype}'")
+        if self.steps <= self.warmup:
+            raise err(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
+        if "zero2" in self.pair_list:
+            try:
+                self.ds = self.ds_config(2)
+            except DsConfigError as e:
+                raise err(str(e)) from None
+
+    def ds_config(self, stage: int) -> dict:
+        return load_ds_config(
+            default_ds_config_path(stage),
+            stage=stage,
+            micro_batch=self.batch_size,
+            grad_accum=1,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            opt=engines.OptimConfig(),
+            dtype=self.dtype,
+            device_type="cuda" if torch.cuda.is_available() else "cpu",
+        )
+
+
+def make_trainer(cfg: Config, impl: str, stage: int, device) -> engines.Trainer:
+    gpt = GPT(preset(cfg.model), seed=0).to(device)
+    dtype = cfg.dtype if impl != "torch" else "fp32"
+    if dtype == "bf16" and impl == "hand":
+        gpt = gpt.to(torch.bfloat16)
+    return engines.build(
+        impl,
+        stage,
+        gpt,
+        None,
+        engines.OptimConfig(),
+        ds_config=getattr(cfg, "ds", None) if impl == "deepspeed" else None,
+    )
+
+
+def timed_step(trainer: engines.Trainer, batch, device) -> float:
+    t0 = time.perf_counter()
+    trainer.step([batch])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def compare(cfg: Config, info, tokens, pair: str) -> dict:
+    (impl_a, stage_a), (impl_b, stage_b) = PAIRS[pair]
+    a = make_trainer(cfg, impl_a, stage_a, info.device)
+    b = make_trainer(cfg, impl_b, stage_b, info.device)
+    times_a, times_b = [], []
+    for step in range(cfg.steps):
+        x, y = get_batch(
+            tokens,
+            cfg.seq_len,
+            cfg.batch_size,
+            seed=0,
+            step=step,
+            dp_rank=info.rank,
+            dp_size=info.world_size,
+        )
+        batch = (x.to(info.device), y.to(info.device))
+        first, second = (a, b) if step % 2 == 0 else (b, a)  # alternate who goes first
+        t_first = timed_step(first, batch, info.device)
+        t_second = timed_step(second, batch, info.device)
+        ta, tb = (t_first, t_second) if first is a else (t_second, t_first)
+        if step >= cfg.warmup:
+            times_a.append(ta)
+            times_b.append(tb)
+    med_a, med_b = statistics.median(times_a), statistics.median(times_b)
+    return dict(
+        pair=pair,
+        a=a.label,
+        b=b.label,
+        a_ms=med_a,
+        b_ms=med_b,
+        ratio=med_a / med_b,
+        steps=len(times_a),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    rows = [compare(cfg, info, corpus.train, pair) for pair in cfg.pair_list]
+    if info.is_main:
+        with open(os.path.join(cfg.out_dir, "bench.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    for r in rows:
+        dtl_dist.print0(
+            f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {cfg.dtype}: "
+            f"{r['a']} / {r['b']} step time = {r['a_ms']:.0f} / {r['b_ms']:.0f} ms = "
+            f"{r['ratio']:.2f} (medians of {r['steps']} interleaved steps)"
+        )
+    dtl_dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Day 18: the same ZeRO stages with DeepSpeed's real engine, and a ds_config checked up front.
+
+The shipped configs (day18_zero/ds_config_zero{0,1,2,3}.json) are plain DeepSpeed JSON. Values
+written "auto" (the Hugging Face convention) are filled from the run's own config, so one number
+lives in one place; a number written in the JSON must agree with the run, or the run stops:
+
+    train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size
+                       (--batch_size)                   (--grad_accum)                (torchrun)
+
+Checked before any collective, each a one-line error: the file exists and is JSON; every
+top-level key is one DeepSpeed reads (it silently ignores the others: "zero_optimisation" would
+train without ZeRO); `zero_optimization`, `bf16`, `fp16` validate against DeepSpeed's own
+pydantic models; `optimizer` has known keys (DeepSpeed never checks them: a misspelled "parmas"
+trains at the default learning rate); the batch identity holds; no fp16 on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import inspect
+import json
+import os
+from contextlib import nullcontext
+from functools import lru_cache
+
+from day18_zero.engines import OptimConfig, Trainer, nbytes, optimizer_state_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INSTALL_HINT = "pip install -e '.[deepspeed]' (the project's deepspeed extra)"
+
+
+class DsConfigError(ValueError):
+    """A ds_config problem, in one line, found before any collective."""
+
+
+def default_ds_config_path(stage: int) -> str:
+    return os.path.join(HERE, f"ds_config_zero{stage}.json")
+
+
+def require_deepspeed() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise DsConfigError(
+            f"impl=deepspeed needs DeepSpeed, which is not installed: {INSTALL_HINT}"
+        )
+
+
+@lru_cache(maxsize=1)
+def known_top_level_keys() -> frozenset[str]:
+    """The top-level keys DeepSpeed reads, found by letting DeepSpeedConfig parse a dict that
+    records every lookup (it has no list of its own; no collective runs)."""
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, DeepSpeedConfig
+
+    seen: set[str] = set()
+
+    class Keys(list):
+        def __contains__(self, k):
+            seen.add(k)
+            return list.__contains__(self, k)
+
+    class Recorder(dict):
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def get(self, k, default=None):
+            seen.add(k)
+            return super().get(k, default)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+        def keys(self):
+            return Keys(super().keys())
+
+    DeepSpeedConfig(Recorder(train_micro_batch_size_per_gpu=1))
+    seen |= {"sequence_parallel_size", "data_parallel_size"}  # read by deepspeed.initialize
+    return frozenset(seen - set(_REMOVED_TOP_LEVEL_CONFIG_KEYS))
+
+
+def _check_sections(ds: dict) -> None:
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    unknown = sorted(set(ds) - known_top_level_keys())
+    if unknown:
+        raise DsConfigError(
+            f"unknown top-level ds_config key(s) {unknown} (DeepSpeed would silently ignore them)"
+        )
+    for key, model in (
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("bf16", DeepSpeedBF16Config),
+        ("fp16", DeepSpeedFP16Config),
+    ):
+        try:
+            model(**ds.get(key, {}))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in (key, *err["loc"]))
+            raise DsConfigError(f"ds_config '{where}': {err['msg']}") from None
+    opt = ds.get("optimizer")
+    if opt is None:
+        return
+    unknown = sorted(set(opt) - {"type", "params", "legacy_fusion"})
+    if unknown:
+        raise DsConfigError(f"unknown key(s) {unknown} in ds_config 'optimizer'")
+    if str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        allowed = set(inspect.signature(FusedAdam.__init__).parameters) - {"self", "params"}
+        allowed |= {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
+        unknown = sorted(set(opt.get("params", {})) - allowed)
+        if unknown:
+            raise DsConfigError(f"unknown key(s) {unknown} in ds_config 'optimizer.params'")
+
+
+def _resolve(ds: dict, path: tuple[str, ...], value, source: str) -> None:
+    """Fill an "auto" (or missing) value from the run; a written value must equal the run's."""
+    *parents, leaf = path
+    node = ds
+    for p in parents:
+        node = node.setdefault(p, {})
+    written = node.get(leaf, "auto")
+    if written == "auto":
+        node[leaf] = value
+    elif written != value:
+        raise DsConfigError(
+            f"ds_config '{'.'.join(path)}' is {written!r} but the run has {value!r} ({source}); "
+            'write "auto" there or make them agree'
+        )
+
+
+def load_ds_config(
+    path: str,
+    *,
+    stage: int,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int,
+    opt: OptimConfig,
+    dtype: str,
+    device_type: str,
+) -> dict:
+    """Read, check and complete a ds_config for this run; raises DsConfigError (one line)."""
+    require_deepspeed()
+    if not os.path.isfile(path):
+        raise DsConfigError(f"ds_config file not found: {path}")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DsConfigError(f"ds_config {path} is not valid JSON: {e}") from None
+    ds = copy.deepcopy(ds)
+    want_batch = micro_batch * grad_accum * world_size
+    _resolve(ds, ("train_micro_batch_size_per_gpu",), micro_batch, "--batch_size")
+    _resolve(ds, ("gradient_accumulation_steps",), grad_accum, "--grad_accum")
+    written = ds.get("train_batch_size", "auto")
+    if written != "auto" and written != want_batch:
+        raise DsConfigError(
+            f"ds_config train_batch_size {written} != micro-batch {micro_batch} x accumulation "
+            f"{grad_accum} x world size {world_size} = {want_batch}"
+        )
+    ds["train_batch_size"] = want_batch
+    _resolve(ds, ("zero_optimization", "stage"), stage, "--stage")
+    for name, value in (
+        ("lr", opt.lr),
+        ("eps", opt.eps),
+        ("weight_decay", opt.weight_decay),
+        ("betas", list(opt.betas)),
+    ):
+        _resolve(ds, ("optimizer", "params", name), value, f"--{name}")
+    _resolve(ds, ("bf16", "enabled"), dtype == "bf16", "--dtype")
+    _check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
+    if ds.get("fp16", {}).get("enabled") is True and device_type == "cpu":
+        raise DsConfigError("ds_config enables fp16, which DeepSpeed refuses on a CPU; use bf16")
+    return ds
+
+
+class DeepSpeedZero(Trainer):
+    """DeepSpeed's engine (`deepspeed.initialize` on the existing process group)."""
+
+    impl = "deepspeed"
+
+    def formula_stage(self):
+        # DeepSpeed's stage 1 runs stage 2's code: its gradients, too, live only as partitions
+        return 2 if self.stage == 1 else self.stage
+
+    def precision(self, dtype):
+        # in fp32 DeepSpeed still keeps an fp32 "master" partition beside the fp32 parameters
+        if dtype == "bf16":
+            return "mixed"
+        return "fp32" if self.stage == 0 else "fp32+master"
+
+    def __init__(self, gpt, stage, group, opt, no_sync, ds_config: dict):
+        import deepspeed
+
+        super().__init__(gpt, stage, group, opt, no_sync)
+        if group is not None:
+            raise ValueError("the DeepSpeed path trains over the whole world (no sub-group)")
+        self.ds_config = ds_config
+        self.engine, *_ = deepspeed.initialize(
+            model=gpt, config=ds_config, dist_init_required=False
+        )
+        self.model = self.engine
+        self.label = f"DeepSpeed ZeRO-{stage}"
+        if stage == 1:
+            self.formula_note = "DeepSpeed's stage 1 keeps only its gradient partition, as stage 2"
+        self._last = True
+
+    def accumulating(self, last):
+        self._last = last
+        return nullcontext()
+
+    def backward(self, loss, accum):
+        # DeepSpeed divides by gradient_accumulation_steps itself and counts micro-steps: step()
+        # after every backward, and only the one at the boundary updates the parameters
+        self.engine.backward(loss)
+        if not self._last:
+            self.engine.step()
+
+    def zero_grad(self):
+        pass  # engine.step() at the boundary zeroes the gradients
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def state_bytes(self):
+        return ds_state_bytes(self.engine, self.stage)
+
+    def padded_numel(self):
+        o = self.engine.optimizer
+        if self.stage in (1, 2):
+            return sum(t.numel() for t in o.bit16_groups_flat)
+        if self.stage == 3:
+            return (
+                sum(p.ds_tensor.numel() for p in self.engine.module.parameters())
+                * self.engine.dp_world_size
+            )
+        return super().padded_numel()
+
+    def full_parameters(self):
+        import deepspeed
+
+        params = list(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.stage == 3):
+            return {n: p.detach().clone().float() for n, p in params}
+
+
+def ds_state_bytes(engine, stage: int) -> dict[str, int]:
+    """Per-rank bytes read from the engine's own partitions (attribute paths of 0.19.x)."""
+    o = engine.optimizer
+    module_params = list(engine.module.parameters())
+    if stage == 0:
+        if hasattr(o, "fp32_groups_flat"):  # bf16: FP16_Optimizer keeps flat bf16 + fp32 copies
+            params = sum(nbytes(t) for t in o.fp16_groups_flat)
+            master, inner = sum(nbytes(t) for t in o.fp32_groups_flat), o.optimizer
+        else:  # fp32: the optimizer steps the parameters themselves
+            params, master, inner = sum(nbytes(p) for p in module_params), 0, o
+        grads = sum(nbytes(p.grad) for p in module_params)
+    elif stage in (1, 2):
+        params = sum(nbytes(t) for t in o.bit16_groups_flat)  # the module's params are views
+        # my partition of the averaged gradients: views that cover exactly my slice (the buffer
+        # under them also holds whole any parameter that straddles the slice's edge)
+        grads = sum(nbytes(t) for ts in o.averaged_gradients.values() for t in ts)
+        master, inner = sum(nbytes(t) for t in o.single_partition_of_fp32_groups), o.optimizer
+    else:
+        params = sum(nbytes(p.ds_tensor) for p in module_params)
+        grads = nbytes(o.grad_partitions_flat_buffer)
+        master, inner = sum(nbytes(t) for t in o.fp32_partitioned_groups_flat), o.optimizer
+    return dict(params=params, grads=grads, optim=master + optimizer_state_bytes(inner))

@@ -1,0 +1,340 @@
+"""Day 18: one interface over the three ways to train with ZeRO here: by hand, torch, DeepSpeed.
+
+    trainer = build("hand", stage=2, gpt=gpt, group=None, opt=OptimConfig(lr=1e-3))
+    loss = trainer.step([(x0, y0), (x1, y1)])   # zero grads, micro-steps, optimizer step
+    trainer.state_bytes()                       # {"params", "grads", "optim"}: this rank, now
+    trainer.full_parameters()                   # name -> full tensor (collective)
+
+impl × stage:
+    hand       0: day 17's BucketDDP + AdamW   1/2/3: zero.ZeroModel
+    torch      0: DDP   1: DDP + ZeroRedundancyOptimizer   2: FSDP2 fully_shard with
+               reshard_after_forward=False (SHARD_GRAD_OP)   3: FSDP2 fully_shard
+    deepspeed  0/1/2/3: deepspeed.initialize with ds_config_zero<stage>.json (ds_engine.py)
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtl.model import loss_fn
+
+IMPLS = ("hand", "torch", "deepspeed")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW's settings, shared by every implementation (and written into the ds_config).
+
+    name="sgd" (momentum 0.9) is for tests: Adam divides by sqrt(v), so a gradient off by a
+    constant factor (a sum where a mean belongs) gives the same update; SGD's update shows it.
+    """
+
+    lr: float = 1e-3
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    name: str = "adamw"
+
+    @property
+    def cls(self) -> type[torch.optim.Optimizer]:
+        return torch.optim.SGD if self.name == "sgd" else torch.optim.AdamW
+
+    def kwargs(self) -> dict:
+        if self.name == "sgd":
+            return dict(lr=self.lr, momentum=0.9)
+        return dict(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay, betas=self.betas)
+
+    def make(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs())
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    if hasattr(t, "to_local"):  # a DTensor (FSDP2): only this rank's shard is in memory
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+
+
+def live_state_bytes(params, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Count, from the tensors themselves, what this rank holds right now."""
+    params = list(params)
+    return dict(
+        params=sum(nbytes(p) for p in params),
+        grads=sum(nbytes(p.grad) for p in params),
+        optim=optimizer_state_bytes(optimizer),
+    )
+
+
+def global_mean(value: float, group=None) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+class Trainer:
+    """Drives one implementation: subclasses fill in the four hooks below."""
+
+    impl = ""
+    label = ""
+    # which row of the paper's table this implementation's memory follows, and why not if not
+    formula_note = ""
+
+    def formula_stage(self) -> int:
+        return self.stage
+
+    def precision(self, dtype: str) -> str:
+        return "mixed" if dtype == "bf16" else "fp32"
+
+    def __init__(self, gpt: nn.Module, stage: int, group, opt: OptimConfig, no_sync: bool):
+        self.gpt, self.stage, self.group, self.opt_cfg = gpt, stage, group, opt
+        self.no_sync = no_sync  # accumulate micro-steps without communication
+        self.bytes_before_step: dict[str, int] = {}
+
+    def step(self, micro_batches) -> float:
+        """One optimizer step over the micro-batches; returns this rank's mean loss over them
+        (`global_mean` makes it the loss of the global batch; a separate, tiny all-reduce).
+
+        The model state is counted just before the optimizer step, when all three kinds exist:
+        the gradients of this step and the optimizer state of the previous ones.
+        """
+        self.zero_grad()
+        total, k = 0.0, len(micro_batches)
+        for m, (x, y) in enumerate(micro_batches):
+            last = m == k - 1
+            with self.accumulating(last):
+                loss = loss_fn(self.forward(x), y)
+                self.backward(loss, k)
+            total += loss.item()
+        self.bytes_before_step = self.state_bytes()
+        self.optimizer_step()
+        return total / k
+
+    def forward(self, x):
+        return self.model(x)
+
+    def backward(self, loss, accum: int) -> None:
+        (loss / accum).backward()
+
+    def accumulating(self, last: bool):
+        return nullcontext()
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def padded_numel(self) -> int:
+        """Elements the collectives move per pass (Ψ plus the implementation's padding)."""
+        return sum(p.numel() for p in self.gpt.parameters())
+
+
+# --- by hand --------------------------------------------------------------------------------------
+
+
+class HandZero(Trainer):
+    impl = "hand"
+
+    def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
+        from day18_zero.zero import ZeroModel
+
+        super().__init__(gpt, stage, group, opt, no_sync)
+        self.model = ZeroModel(gpt, stage, opt.make, group, bucket_cap_mb, prefetch=prefetch)
+        self.label = f"hand ZeRO-{stage}"
+
+    def accumulating(self, last):
+        return nullcontext() if last or not self.no_sync else self.model.no_sync()
+
+    def zero_grad(self):
+        self.model.zero_grad()
+
+    def optimizer_step(self):
+        self.model.step()
+
+    def state_bytes(self):
+        return self.model.state_bytes()
+
+    def full_parameters(self):
+        return self.model.full_parameters()
+
+    def padded_numel(self):
+        return self.model.padded_numel()
+
+
+class HandDDP(Trainer):
+    """Stage 0 by hand: day 17's bucketed all-reduce, then a full AdamW on every rank."""
+
+    impl = "hand"
+    label = "hand DDP (day 17 BucketDDP)"
+    formula_note = "day 17's buckets hold a second copy of the gradients (+4 B/param)"
+
+    def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
+        from day17_ddp.ddp_manual import BucketDDP
+
+        super().__init__(gpt, stage, group, opt, no_sync)
+        self.model = BucketDDP(gpt, group, bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+        self.optimizer = opt.make(self.model.parameters())
+
+    def accumulating(self, last):
+        return nullcontext() if last else self.model.no_sync()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self):
+        self.optimizer.step()
+
+    def state_bytes(self):
+        out = live_state_bytes(self.gpt.parameters(), self.optimizer)
+        out["grads"] += sum(nbytes(b) for b in self.model.buffers)  # the buckets: a 2nd copy
+        return out
+
+    def full_parameters(self):
+        return {n: p.detach().clone() for n, p in self.gpt.named_parameters()}
+
+
+# --- torch's own ----------------------------------------------------------------------------------
+
+
+class TorchDDP(Trainer):
+    """Stage 0: torch DDP; stage 1: DDP + torch's ZeroRedundancyOptimizer."""
+
+    impl = "torch"
+
+    def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        super().__init__(gpt, stage, group, opt, no_sync)
+        self.model = DDP(
+            gpt, process_group=group, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True
+        )  # .grad *is* the bucket: no 2nd copy
+        # DDP's own all-reduce is issued from C++, invisible to CommCounter; its Python twin
+        # (the same divide-by-N then sum) goes through dist.all_reduce, where it is counted
+        self.model.register_comm_hook(group, allreduce_hook)
+        if stage == 0:
+            self.optimizer = opt.make(self.model.parameters())
+            self.label = "torch DDP"
+        else:
+            self.optimizer = ZeroRedundancyOptimizer(
+                self.model.parameters(),
+                optimizer_class=opt.cls,
+                process_group=group,
+                **opt.kwargs(),
+            )
+            self.label = "torch DDP + ZeroRedundancyOptimizer"
+            self.formula_note = (
+                "ZeroRedundancyOptimizer gives each rank whole parameters (greedy by size), "
+                "so the optimizer shards are uneven"
+            )
+
+    def accumulating(self, last):
+        return nullcontext() if last else self.model.no_sync()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views
+
+    def optimizer_step(self):
+        self.optimizer.step()  # ZeroRedundancyOptimizer: local step, then broadcast each shard
+
+    def state_bytes(self):
+        local = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO's local AdamW
+        return live_state_bytes(self.gpt.parameters(), local)
+
+    def full_parameters(self):
+        return {n: p.detach().clone() for n, p in self.gpt.named_parameters()}
+
+
+class TorchFSDP2(Trainer):
+    """Stage 3: FSDP2's fully_shard on every block, then on the root (bottom-up, so each block
+    is its own all-gather unit); stage 2: the same with reshard_after_forward=False, which keeps
+    the gathered parameters from forward to backward (FSDP's SHARD_GRAD_OP: ZeRO-2's traffic,
+    but the parameters are sharded again between steps)."""
+
+    impl = "torch"
+
+    def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(gpt, stage, group, opt, no_sync)
+        device = next(gpt.parameters()).device.type
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, device)
+        reshard = stage == 3
+        from day18_zero.zero import default_units
+
+        for unit in default_units(gpt):  # the GPT's blocks; none for a module without `blocks`
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        self.model = fully_shard(gpt, mesh=mesh, reshard_after_forward=reshard)
+        self.optimizer = opt.make(self.model.parameters())
+        if not reshard:
+            self.formula_note = (
+                "FSDP2 shards the parameters between steps too (full only from forward to "
+                "the end of backward): stage 3's memory at rest, stage 2's traffic"
+            )
+        self.label = "torch FSDP2 fully_shard" + (
+            "" if reshard else " (reshard_after_forward=False)"
+        )
+
+    def formula_stage(self):
+        return 3  # at rest (where state_bytes counts) both FSDP2 variants hold 1/N of everything
+
+    def accumulating(self, last):
+        self.model.set_requires_gradient_sync(last or not self.no_sync)
+        return nullcontext()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self):
+        self.optimizer.step()
+
+    def state_bytes(self):
+        return live_state_bytes(self.model.parameters(), self.optimizer)
+
+    def full_parameters(self):
+        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+
+
+def build(
+    impl: str,
+    stage: int,
+    gpt: nn.Module,
+    group,
+    opt: OptimConfig,
+    *,
+    no_sync=True,
+    bucket_cap_mb=25.0,
+    prefetch=True,
+    ds_config: dict | None = None,
+) -> Trainer:
+    """The trainer for (impl, stage); arguments were validated by the caller's config."""
+    if impl == "deepspeed":
+        from day18_zero.ds_engine import DeepSpeedZero
+
+        return DeepSpeedZero(gpt, stage, group, opt, no_sync, ds_config=ds_config)
+    kinds = {
+        "hand": {0: HandDDP, 1: HandZero, 2: HandZero, 3: HandZero},
+        "torch": {0: TorchDDP, 1: TorchDDP, 2: TorchFSDP2, 3: TorchFSDP2},
+    }
+    cls = kinds[impl][stage]
+    return cls(gpt, stage, group, opt, no_sync, bucket_cap_mb=bucket_cap_mb, prefetch=prefetch)

@@ -1,0 +1,336 @@
+"""Day 18: train the shared GPT with ZeRO stage 0-3, by hand, with torch or with DeepSpeed.
+
+CPU (gloo), 2 processes, ~10-15 s each:
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=2 --impl=hand
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=3 --impl=deepspeed
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=1 --impl=torch
+    ... --dtype=bf16 (hand and deepspeed) | --grad_accum=4 | --no_sync=false | --model=tiny-nobias
+GPUs (NCCL, one process per GPU):
+    torchrun --standalone --nproc_per_node=gpu -m day18_zero.train --stage=3 \
+        --config day18_zero/gpu.toml
+
+Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it),
+DS_ACCELERATOR=cpu on a machine without CUDA (DeepSpeed would guess it anyway, with a warning).
+
+Each step prints the loss of the global batch, this rank's bytes of parameters / gradients /
+optimizer state (counted from the live tensors just before the optimizer step) and the bytes
+this rank sent (ring cost of every collective the step issued, from dtl.comm.CommCounter).
+Then the measured state and traffic beside the paper's formulas, and (on CPU, fp32) the same
+training in one process on the global batch, compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from day18_zero import engines, formulas
+from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from day18_zero.zero import STAGES as HAND_ZERO_STAGES
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.comm import CommCounter
+from dtl.data import get_batch, load_corpus
+from dtl.metrics import StepLogger
+from dtl.model import GPT, PRESETS, preset
+from dtl.testing import reference_train
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MB = 1e6
+
+
+@dataclass
+class Config:
+    stage: int = 2  # ZeRO stage: 0 (plain data parallel) | 1 | 2 | 3
+    impl: str = "hand"  # hand | torch | deepspeed
+    model: str = "small"  # GPT preset (`small`: 7.3M parameters, 6.4M of them in wte)
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU)
+    batch_size: int = 4  # sequences per rank per micro-step (DeepSpeed's micro batch)
+    seq_len: int = 64  # tokens per sequence
+    grad_accum: int = 1  # micro-steps per optimizer step
+    no_sync: bool = True  # hand/torch: no communication until the last micro-step
+    steps: int = 5  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate (DeepSpeed's "auto" values come from here)
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay (DeepSpeed's AdamW defaults to 0, torch's 0.01)
+    bucket_cap_mb: float = 25.0  # hand stages 1-2 and torch DDP: gradient bucket size in MiB
+    prefetch: bool = True  # hand stage 3: all-gather the next block while this one computes
+    ds_config: str = ""  # DeepSpeed JSON; empty: day18_zero/ds_config_zero<stage>.json
+    check: bool = True  # fp32 only: rank 0 also trains one process on the global batch, compares
+    seed: int = 0  # model init and batches
+    out_dir: str = ""  # where the run writes; empty: outputs/day18_zero/<impl>-zero<stage>
+
+    def validate(self) -> None:
+        self.out_dir = self.out_dir or f"outputs/day18_zero/{self.impl}-zero{self.stage}"
+        err = dtl_config.ConfigError
+        if self.stage not in formulas.STAGES_ALL:
+            raise err(f"unknown ZeRO stage {self.stage}; choose one of 0, 1, 2, 3")
+        if self.impl not in engines.IMPLS:
+            raise err(f"unknown impl '{self.impl}'; choose one of {', '.join(engines.IMPLS)}")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        if self.dtype not in DTYPES:
+            raise err(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if self.dtype == "fp16" and not torch.cuda.is_available():
+            raise err("dtype fp16 needs a GPU (DeepSpeed refuses fp16 on a CPU); use bf16")
+        if self.dtype != "fp32" and (
+            self.impl == "torch" or (self.impl == "hand" and self.stage not in HAND_ZERO_STAGES)
+        ):
+            raise err(
+                f"dtype {self.dtype} runs with impl=hand stages 1-3 (fp32 master copies) or "
+                "impl=deepspeed; DDP, ZeroRedundancyOptimizer and plain FSDP2 have no master"
+            )
+        if self.seq_len > preset(self.model).block_size:
+            raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
+        if self.impl == "deepspeed":
+            self.ds = self._load_ds_config()
+
+    def _load_ds_config(self) -> dict:
+        path = self.ds_config or default_ds_config_path(self.stage)
+        try:
+            return load_ds_config(
+                path,
+                stage=self.stage,
+                micro_batch=self.batch_size,
+                grad_accum=self.grad_accum,
+                world_size=int(os.environ.get("WORLD_SIZE", "1")),  # torchrun's, before init
+                opt=self.optim(),
+                dtype=self.dtype,
+                device_type="cuda" if torch.cuda.is_available() else "cpu",
+            )
+        except DsConfigError as e:
+            raise dtl_config.ConfigError(str(e)) from None
+
+    def optim(self) -> engines.OptimConfig:
+        return engines.OptimConfig(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+
+
+def micro_batches(tokens, cfg: Config, step: int, rank: int, world: int, device):
+    """This rank's micro-batches of `step`: its rows of the global batch, cut in grad_accum."""
+    x, y = get_batch(
+        tokens,
+        cfg.seq_len,
+        cfg.batch_size * cfg.grad_accum,
+        seed=cfg.seed,
+        step=step,
+        dp_rank=rank,
+        dp_size=world,
+    )
+    x, y = x.to(device), y.to(device)
+    b = cfg.batch_size
+    return [(x[m * b : (m + 1) * b], y[m * b : (m + 1) * b]) for m in range(cfg.grad_accum)]
+
+
+def build_trainer(cfg: Config, info) -> engines.Trainer:
+    gpt = GPT(preset(cfg.model), seed=cfg.seed).to(info.device)
+    if cfg.dtype == "bf16" and cfg.impl == "hand":
+        gpt = gpt.to(torch.bfloat16)  # ZeroModel keeps fp32 masters of its slices
+    return engines.build(
+        cfg.impl,
+        cfg.stage,
+        gpt,
+        None,
+        cfg.optim(),
+        no_sync=cfg.no_sync,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        prefetch=cfg.prefetch,
+        ds_config=getattr(cfg, "ds", None),
+    )
+
+
+def comm_of_step(counter: CommCounter, before: dict) -> dict[str, float]:
+    """Ring bytes per rank by collective kind, issued since the `before` snapshot."""
+    out = {k: v - before.get(k, 0) for k, v in counter.ring_bytes.items()}
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def run(cfg: Config, info) -> dict:
+    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    # entered before the trainer exists: DeepSpeed binds torch.distributed's functions at init
+    counter = CommCounter().__enter__()
+    trainer = build_trainer(cfg, info)
+    log = StepLogger(
+        cfg.out_dir,
+        cfg.steps,
+        tensorboard=True,
+        tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size,
+    )
+    losses, comms = [], []
+    for step in range(cfg.steps):
+        batches = micro_batches(corpus.train, cfg, step, info.rank, info.world_size, info.device)
+        before = dict(counter.ring_bytes)
+        t0 = time.perf_counter()
+        local = trainer.step(batches)
+        dt = time.perf_counter() - t0
+        comms.append(comm_of_step(counter, before))
+        loss = engines.global_mean(local)  # after the snapshot: not part of the step's traffic
+        losses.append(loss)
+        sb = trainer.bytes_before_step
+        log.log(
+            step,
+            loss=loss,
+            dt_s=dt,
+            params_mb=f"{sb['params'] / MB:.2f}",
+            grads_mb=f"{sb['grads'] / MB:.2f}",
+            optim_mb=f"{sb['optim'] / MB:.2f}",
+            comm_mb=f"{sum(comms[-1].values()) / MB:.2f}",
+        )
+    log.close()
+    counter.__exit__(None, None, None)
+    params = trainer.full_parameters()  # collective: every rank
+    return dict(trainer=trainer, losses=losses, comm=comms[-1], params=params, corpus=corpus)
+
+
+def reference(cfg: Config, info, corpus) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch of every step (what all ranks see together)."""
+    gpt = GPT(preset(cfg.model), seed=cfg.seed)
+    opt = cfg.optim().make(gpt.parameters())
+
+    def batch(step):
+        rows = cfg.batch_size * cfg.grad_accum * info.world_size
+        return get_batch(corpus.train, cfg.seq_len, rows, seed=cfg.seed, step=step)
+
+    losses = reference_train(gpt, batch, opt, cfg.steps)
+    return losses, {n: p.detach() for n, p in gpt.named_parameters()}
+
+
+def report(cfg: Config, info, result: dict) -> bool:
+    """Measured beside the formulas; the one-process comparison. Returns False on a mismatch."""
+    t: engines.Trainer = result["trainer"]
+    n = info.world_size
+    psi = _distinct_numel(result["params"])
+    prec = formulas.PRECISIONS[t.precision(cfg.dtype)]
+    want = formulas.model_state_bytes(psi, n, t.formula_stage(), prec)
+    got = t.bytes_before_step
+    dtl_dist.print0(
+        f"{t.label}: Ψ = {psi:,} parameters, N = {n}, precision {prec.name} "
+        f"({prec.param} + {prec.grad} + {prec.optim} bytes per parameter)"
+    )
+    rows = [
+        ("params", got["params"], want.params),
+        ("grads", got["grads"], want.grads),
+        ("optim", got["optim"], want.optim),
+        ("total", sum(got.values()), want.total),
+    ]
+    for name, g, w in rows:
+        dtl_dist.print0(
+            f"  {name:<7}{g / MB:>10.3f} MB measured  {w / MB:>10.3f} MB formula "
+            f"(stage {t.formula_stage()})  {_pct(g, w)}"
+        )
+    if t.formula_note:
+        dtl_dist.print0(f"  note: {t.formula_note}")
+    _print_per_rank_totals(sum(got.values()))
+    _print_live_and_device_memory(t, info, want.total)
+    comm = result["comm"]
+    elem = DTYPES[cfg.dtype].itemsize
+    pred = formulas.comm_bytes_per_rank(t.padded_numel(), n, cfg.stage, elem)
+    if cfg.stage == 3 and cfg.grad_accum > 1:
+        pred *= (2 * cfg.grad_accum + 1) / 3  # gathered twice per micro-step, reduced once
+    parts = " + ".join(f"{k} {v / MB:.3f}" for k, v in sorted(comm.items()))
+    dtl_dist.print0(
+        f"sent per rank in the last step: {parts} = {sum(comm.values()) / MB:.3f} MB;"
+        f" formula {formulas.comm_volume_factor(cfg.stage)}Ψ(N-1)/N x {elem} B = "
+        f"{pred / MB:.3f} MB ({_pct(sum(comm.values()), pred)})"
+    )
+    matches = _compare_with_one_process(cfg, info, result)
+    total, formula_total = sum(got.values()), want.total
+    dtl_dist.print0(
+        f"summary: day18 stage={cfg.stage} impl={cfg.impl} dtype={cfg.dtype} ranks={n}: "
+        f"{matches}; per-rank state {total / MB:.3f} MB vs formula {formula_total / MB:.3f} MB "
+        f"({_pct(total, formula_total)}); sent {sum(comm.values()) / MB:.3f} MB/step vs formula "
+        f"{pred / MB:.3f} MB"
+    )
+    return "NO" not in matches
+
+
+def _print_per_rank_totals(total: int) -> None:
+    """The table is rank 0's; say so when another rank holds a different amount."""
+    totals = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(totals, total)
+    if len(set(totals)) > 1:
+        per = ", ".join(f"rank {r} {v / MB:.3f}" for r, v in enumerate(totals))
+        dtl_dist.print0(f"  per-rank totals differ: {per} MB")
+
+
+def _print_live_and_device_memory(t: engines.Trainer, info, formula_total: float) -> None:
+    live = getattr(getattr(t, "model", None), "live", None)
+    if t.impl == "hand" and t.stage == 3 and live is not None:
+        dtl_dist.print0(
+            f"ZeRO-3 gathered parameters: peak {live.peak_bytes / MB:.3f} MB, at most "
+            f"{live.peak_units} blocks at once (limit: root + 2 blocks = "
+            f"{live.limit_bytes() / MB:.3f} MB)"
+        )
+    if info.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(info.device)
+        dtl_dist.print0(
+            f"cuda max_memory_allocated {peak / MB:.1f} MB on rank 0: model states (formula) "
+            f"{formula_total / MB:.1f} MB + activations, buffers and gathered parameters"
+        )
+
+
+def _compare_with_one_process(cfg: Config, info, result) -> str:
+    if not cfg.check or cfg.dtype != "fp32":
+        return "one-process check skipped" + ("" if cfg.check else " (check=false)")
+    verdict = torch.zeros(3, dtype=torch.float64)
+    if info.is_main:
+        ref_losses, ref_params = reference(cfg, info, result["corpus"])
+        rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
+        gap = max(
+            (result["params"][k].cpu().double() - v.double()).abs().max().item()
+            for k, v in ref_params.items()
+        )
+        verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
+    torch.distributed.broadcast(verdict.to(info.device), src=0)
+    rel, gap, ok = verdict.tolist()
+    return (
+        f"losses match one process {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, "
+        f"rtol 1e-5; params max |diff| {gap:.1e} after {cfg.steps} AdamW steps)"
+    )
+
+
+def _distinct_numel(params: dict[str, torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for name, v in params.items():
+        key = "wte.weight" if name == "lm_head.weight" else name  # the tied weight, once
+        if key not in seen:
+            seen.add(key)
+            total += v.numel()
+    return total
+
+
+def _pct(measured: float, formula: float) -> str:
+    return "exact" if measured == formula else f"{(measured - formula) / formula:+.2%}"
+
+
+def save_ds_config(cfg: Config, info) -> None:
+    """The resolved ds_config (every "auto" filled in) beside config.json, and its batch line."""
+    ds = cfg.ds
+    dtl_dist.print0(
+        f"ds_config {cfg.ds_config or default_ds_config_path(cfg.stage)}: train_batch_size "
+        f"{ds['train_batch_size']} = micro {ds['train_micro_batch_size_per_gpu']} x accumulation "
+        f"{ds['gradient_accumulation_steps']} x world {info.world_size}"
+    )
+    if info.is_main:
+        with open(os.path.join(cfg.out_dir, "ds_config.json"), "w") as f:
+            json.dump(ds, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    if cfg.impl == "deepspeed":
+        save_ds_config(cfg, info)
+    result = run(cfg, info)
+    ok = report(cfg, info, result)
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

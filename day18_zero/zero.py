@@ -1,0 +1,521 @@
+"""Day 18: ZeRO stages 1, 2 and 3 written by hand, for any nn.Module.
+
+DDP (day 17) keeps on every rank a full copy of the parameters, the gradients and the optimizer
+state. ZeRO (Rajbhandari et al. 2019) removes the copies one kind of state at a time. With Ψ
+parameters and N data-parallel ranks, bytes per rank (mixed precision: 2 + 2 + 12 per parameter):
+
+    stage     sharded                 params   grads    optimizer (fp32 master, m, v)
+    0 (DDP)   nothing                 2Ψ       2Ψ       12Ψ
+    1         optimizer state         2Ψ       2Ψ       12Ψ/N
+    2         + gradients             2Ψ       2Ψ/N     12Ψ/N
+    3         + parameters            2Ψ/N     2Ψ/N     12Ψ/N
+
+The data structure under all three: the parameters are grouped into buckets (at stage 3 one
+bucket per *unit*, e.g. one transformer block), each bucket laid out flat and padded to a
+multiple of N (`dtl.flat.FlatBuffer`); rank r owns slice r of every bucket: the optimizer state
+for it, the averaged gradient of it and, at stage 3, the only copy of its parameters.
+
+One optimizer step, per bucket of P (padded) elements; the collective and its shapes:
+
+    stage 1  backward accumulates full grads (P,) locally, exactly as DDP's would;
+             step(): reduce_scatter (P,) -> (P/N,) my averaged slice; AdamW on my slice only;
+             all_gather (P/N,) -> (P,) so every rank has all the new parameters again
+    stage 2  as stage 1, but a bucket is reduce-scattered *during* backward, the moment all its
+             grads are in (hooks, as in day 17), and its full (P,) grad buffer is then freed
+    stage 3  parameters live only as (P/N,) slices; a unit is all-gathered (P/N,) -> (P,) just
+             before its forward and freed after it; gathered again before its backward; its
+             grads reduce-scattered and its full parameters freed as soon as its backward is
+             done; the next unit's all-gather is launched early (prefetch)
+
+Communication per step (ring cost per rank, in units of the gradient bytes): stages 1 and 2 move
+(N-1)/N x Ψ in the reduce-scatter and (N-1)/N x Ψ in the all-gather = 2Ψ(N-1)/N, the same as
+DDP's all-reduce (which *is* a reduce-scatter then an all-gather). Stage 3 gathers twice: 3Ψ(N-1)/N.
+
+    model = apply_zero(gpt, grid, stage=2, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr))
+    loss_fn(model(x), y).backward()    # stage 2/3: reduce-scatters happen in here
+    model.step()                       # AdamW on this rank's slice; stage 1/2: all-gather params
+    model.zero_grad()
+
+Names in the comments point at DeepSpeed (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py)
+and FSDP2 (torch/distributed/fsdp/_fully_shard/), which do the same with more machinery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from day17_ddp.ddp_manual import assign_buckets
+from dtl.flat import FlatBuffer
+
+STAGES = (1, 2, 3)
+MiB = 1024 * 1024
+
+
+class ZeroError(ValueError):
+    """Bad ZeRO configuration; a one-line message, raised before any collective."""
+
+
+def check_zero_args(stage, bucket_cap_mb: float = 25.0) -> None:
+    if stage not in STAGES:
+        raise ZeroError(f"unknown ZeRO stage {stage!r}; the hand-written stages are 1, 2, 3")
+    if isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
+        raise ZeroError(f"bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb!r}")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class Bucket:
+    """Some parameters laid end to end, padded to a multiple of N; this rank owns slice `rank`.
+
+    Stages 1 and 2 keep the full flat parameters (the model's parameters are views into them);
+    stage 3 keeps only this rank's slice and re-creates the full buffer when the unit runs.
+    """
+
+    def __init__(self, params, names, stage: int, rank: int, world: int, group):
+        self.params, self.names = params, names
+        self.stage, self.rank, self.world, self.group = stage, rank, world, group
+        # (P,) = every parameter's values end to end, then zeros up to a multiple of N
+        self.full = FlatBuffer.of([p.detach() for p in params], pad_to=world)
+        self.dtype = self.full.data.dtype
+        self._point_params_at_full()  # p is now a view of self.full: writes to one show in both
+        if stage == 3:
+            # (P/N,): the only copy of my slice; the full buffer's memory is given back
+            self.param_shard = self.full.shard(rank, world).clone()
+            self.free_full_params()
+        else:
+            # a view: the optimizer's update of my slice lands in the full parameters directly
+            self.param_shard = self.full.shard(rank, world)
+        # the tensor the optimizer steps: my slice itself in fp32, an fp32 copy ("master") in bf16
+        if self.dtype == torch.float32:
+            self.master = nn.Parameter(self.param_shard)  # shares the slice's memory
+        else:
+            self.master = nn.Parameter(self.param_shard.detach().float())
+        # gradients: stage 1 keeps them full (P,), stages 2 and 3 only my averaged slice (P/N,)
+        self.full_grads: FlatBuffer | None = self._new_grad_buffer() if stage == 1 else None
+        self.grad_shard = (
+            self.full_grads.shard(rank, world) if stage == 1 else self._zeros(self.shard_numel)
+        )
+        self.ready = 0  # parameters whose gradient arrived in this backward
+        self.reduce_work = None  # the async reduce-scatter in flight, if any
+        self.gather_work = None  # stage 3: the async all-gather in flight (a prefetch), if any
+        self.gathered = stage < 3
+
+    @property
+    def padded_numel(self) -> int:
+        return self.full.data.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.dtype, device=self.full.data.device)
+
+    def _new_grad_buffer(self) -> FlatBuffer:
+        return FlatBuffer(
+            self.full.shapes, dtype=self.dtype, device=self.full.data.device, pad_to=self.world
+        )
+
+    def _point_params_at_full(self) -> None:
+        for p, view in zip(self.params, self.full.views):
+            p.data = view
+
+    # --- gradients ------------------------------------------------------------------------------
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Move one parameter's gradient into the bucket's full (P,) gradient buffer."""
+        if self.full_grads is None:  # stages 2 and 3 allocate it per backward (or per no_sync)
+            self.full_grads = self._new_grad_buffer()
+        self.full_grads.views[i].add_(grad)
+        self.ready += 1
+
+    def launch_reduce_scatter(self) -> None:
+        # (P,) my local grads on every rank -> (P/N,) the SUM over ranks of my slice, written in
+        # place into my slice of the same buffer (NCCL and gloo both accept this aliasing)
+        data = self.full_grads.data
+        self.reduce_work = dist.reduce_scatter_single(
+            self.full_grads.shard(self.rank, self.world), data, group=self.group, async_op=True
+        )
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait; turn the sum into the mean; stages 2/3 add it to the kept slice, free the rest."""
+        self.reduce_work.wait()
+        self.reduce_work = None
+        mine = self.full_grads.shard(self.rank, self.world)
+        if self.stage == 1:
+            mine.div_(self.world)  # grad_shard is this very view
+        else:
+            self.grad_shard.add_(mine, alpha=1.0 / self.world)  # accumulates across micro-steps
+            self.full_grads = None  # the (P,) buffer is gone: only (P/N,) stays (ZeRO-2's saving)
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        if self.stage == 1:
+            self.full_grads.data.zero_()
+        self.master.grad = None
+
+    # --- stage 3: the full parameters exist only while the unit runs --------------------------
+
+    def launch_gather(self) -> None:
+        if self.gathered or self.gather_work is not None:
+            return
+        storage = self.full.data.untyped_storage()
+        storage.resize_(self.padded_numel * self.full.data.element_size())  # memory back
+        # (P/N,) my slice on every rank -> (P,) all slices in rank order, into the full buffer
+        self.gather_work = dist.all_gather_single(
+            self.full.data, self.param_shard, group=self.group, async_op=True
+        )
+
+    def wait_gather(self) -> None:
+        if self.gathered:
+            return
+        self.launch_gather()  # no-op if a prefetch already launched it
+        self.gather_work.wait()
+        self.gather_work = None
+        self._point_params_at_full()
+        self.gathered = True
+
+    def free_full_params(self) -> None:
+        """FSDP's trick: shrink the buffer's storage to 0 bytes, so views that autograd saved in
+        forward keep pointing at it and see the data again once it is re-gathered for backward;
+        the parameters themselves become empty tensors (reading freed storage would crash)."""
+        self.full.data.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.full.data.device)
+        self.gathered = False
+
+    def full_bytes_alive(self) -> int:
+        """Bytes the full parameter buffer holds right now (0 when freed): read from storage."""
+        return self.full.data.untyped_storage().nbytes()
+
+
+class ZeroModel(nn.Module):
+    """`module` trained with ZeRO stage 1, 2 or 3 over `group`; used like DDP plus a step().
+
+    Expects a plain module whose parameters are all trained (every one gets a gradient or is
+    reported at the end of backward). At stage 3, `units` (default: the children of
+    `module.blocks` if it has one) are the modules gathered one at a time; everything else
+    (embeddings, final norm, head, and any parameter shared between units) is the root unit,
+    gathered for the whole forward and the whole backward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        group=None,
+        bucket_cap_mb: float = 25.0,
+        units: list[nn.Module] | None = None,
+        prefetch: bool = True,
+    ):
+        check_zero_args(stage, bucket_cap_mb)
+        super().__init__()
+        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.require_backward_grad_sync = True  # what no_sync() flips
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._broadcast_from_first_rank()  # all ranks start from the same parameters, as in DDP
+        if stage == 3:
+            self.units = units if units is not None else default_units(module)
+            root_group, groups = _unit_param_groups(self.units, named)
+        else:
+            self.units, root_group = [], []
+            groups = _size_buckets(named, int(bucket_cap_mb * MiB))
+        make = lambda g: Bucket(  # noqa: E731
+            [p for _, p in g], [n for n, _ in g], stage, self.rank, self.world, group
+        )
+        self.root = make(root_group) if root_group else None  # stage 3's always-gathered unit
+        self.unit_buckets = [make(g) for g in groups]
+        self.buckets = ([self.root] if self.root else []) + self.unit_buckets
+        self.locate = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for p in (p for b in self.buckets for p in b.params):
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.optimizer = make_optimizer([b.master for b in self.buckets])
+        self._queued = False
+        self._synced_backward = True
+        if stage == 3:
+            self._install_unit_hooks()
+        self.live = LiveParams(self)
+
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(t, src=src, group=self.group)
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.stage < 3:
+            return self.module(*args, **kwargs)
+        if self.root is not None:
+            self.root.wait_gather()  # the root unit (embeddings, head) stays gathered in forward
+            self.live.update()
+        out = self.module(*args, **kwargs)
+        if self.root is not None:
+            self.root.free_full_params()
+            self._on_backward_of(out, self.root)
+        self._recording = False  # the first forward is over: the units' order is known
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, until the block exits.
+
+        Stage 1 always does this (its reduce-scatter is in step()). Stages 2 and 3 then keep
+        full (P,) gradient buffers between micro-steps, like FSDP's no_sync: fewer collectives
+        for more memory. Without no_sync they reduce-scatter every micro-step into the kept
+        (P/N,) slice, like DeepSpeed's gradient accumulation.
+        """
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # --- stage 3: gather before a unit runs, free after, prefetch the next ---------------------
+
+    def _install_unit_hooks(self) -> None:
+        self.forward_order: list[Bucket] = []  # recorded in the first forward (DeepSpeed's trace)
+        self._recording = True
+        for unit, bucket in zip(self.units, self.unit_buckets, strict=True):
+            unit.register_forward_pre_hook(self._make_pre_forward(bucket))
+            unit.register_forward_hook(self._make_post_forward(bucket))
+
+    def _neighbour(self, bucket: Bucket, step: int) -> Bucket | None:
+        order = self.forward_order
+        if self._recording or bucket not in order:
+            return None
+        i = order.index(bucket) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    def _make_pre_forward(self, bucket: Bucket):
+        def pre_forward(module, args):
+            if self._recording and torch.is_grad_enabled():
+                self.forward_order.append(bucket)
+            bucket.wait_gather()
+            nxt = self._neighbour(bucket, +1) if self.prefetch else None
+            if nxt is not None:
+                nxt.launch_gather()  # its all-gather runs while this unit computes
+            self.live.update()
+
+        return pre_forward
+
+    def _make_post_forward(self, bucket: Bucket):
+        def post_forward(module, args, output):
+            bucket.free_full_params()
+            self._on_backward_of(output, bucket)
+            return output
+
+        return post_forward
+
+    def _on_backward_of(self, output, bucket: Bucket) -> None:
+        """Gather `bucket` again when the gradient of `output` arrives, i.e. just before the
+        unit's own backward runs (FSDP1's pre-backward hook on the unit's outputs)."""
+        if not torch.is_grad_enabled():
+            return
+        done = []
+
+        def pre_backward(grad):
+            if not done:  # one output's hook is enough
+                done.append(True)
+                self._queue_finalize()
+                bucket.wait_gather()
+                prev = self._neighbour(bucket, -1) if self.prefetch else None
+                if prev is not None:
+                    prev.launch_gather()
+                self.live.update()
+            return grad
+
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(pre_backward)
+
+    # --- backward: gradients into buckets, buckets reduce-scattered ------------------------------
+
+    def _queue_finalize(self) -> None:
+        if not self._queued:  # once per backward, from inside it
+            self._queued = True
+            self._synced_backward = self.require_backward_grad_sync
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        # runs right after AccumulateGrad wrote p.grad (the hook DDP puts on it)
+        self._queue_finalize()
+        bucket, i = self.locate[id(p)]
+        bucket.add_grad(i, p.grad)
+        p.grad = None  # the bucket holds it now; the model keeps no gradient of its own
+        if bucket.ready < len(bucket.params):
+            return
+        if self.stage >= 2 and self._synced_backward:
+            bucket.launch_reduce_scatter()  # overlaps with the rest of backward
+        if self.stage == 3:
+            bucket.free_full_params()  # its backward is done: give the full params back
+            self.live.update()
+
+    def _finalize(self) -> None:
+        """After the last gradient of this backward (DDP's finalize_backward)."""
+        self._queued = False
+        for bucket in self.buckets:
+            if bucket.ready < len(bucket.params):
+                missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
+                raise RuntimeError(
+                    f"ZeRO: parameters got no gradient in this backward ({missing[:3]} ...); "
+                    "every trained parameter must be used in the loss"
+                )
+            bucket.ready = 0
+            if self.stage >= 2 and self._synced_backward:
+                bucket.finish_reduce_scatter()
+            if self.stage == 3 and bucket.gathered:
+                bucket.free_full_params()
+
+    # --- the optimizer step on this rank's slices ----------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.stage == 1:  # ZeRO-1: the gradients were kept full through backward; now share
+            for b in self.buckets:
+                b.launch_reduce_scatter()
+            for b in self.buckets:
+                b.finish_reduce_scatter()
+        for b in self.buckets:
+            b.master.grad = b.grad_shard if b.dtype == torch.float32 else b.grad_shard.float()
+        self.optimizer.step()  # touches only (P/N,) slices: 1/N of the optimizer's work and state
+        for b in self.buckets:
+            if b.dtype != torch.float32:
+                b.param_shard.copy_(b.master)  # fp32 master -> the bf16 slice
+            if self.stage < 3:
+                # (P/N,) my new slice -> (P,) every rank's, into the model's parameters in place
+                b.gather_work = dist.all_gather_single(
+                    b.full.data, b.param_shard, group=self.group, async_op=True
+                )
+        for b in self.buckets:
+            if b.gather_work is not None:
+                b.gather_work.wait()
+                b.gather_work = None
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    # --- reading the state -----------------------------------------------------------------------
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state, counted from the
+        live tensors at the moment of the call (stage 3's gathered units are in `live`)."""
+        params = sum(
+            _nbytes(b.full.data) if self.stage < 3 else _nbytes(b.param_shard) for b in self.buckets
+        )
+        # stage 1: the full buffers (my slice is a view in them); stages 2/3: my slices, plus
+        # any full buffer alive now (inside a no_sync accumulation)
+        grads = sum(_nbytes(b.full_grads.data) for b in self.buckets if b.full_grads is not None)
+        if self.stage >= 2:
+            grads += sum(_nbytes(b.grad_shard) for b in self.buckets)
+        masters = sum(_nbytes(b.master) for b in self.buckets if b.dtype != torch.float32)
+        state = sum(
+            _nbytes(t)
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return dict(params=params, grads=grads, optim=masters + state)
+
+    def padded_numel(self) -> int:
+        return sum(b.padded_numel for b in self.buckets)
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """name -> full parameter (a copy), gathered from the slices: collective, every rank."""
+        out = {}
+        for b in self.buckets:
+            buf = b.full
+            if self.stage == 3:  # a fresh buffer: the unit's own may be freed
+                buf = FlatBuffer(
+                    b.full.shapes, dtype=b.dtype, device=b.full.data.device, pad_to=self.world
+                )
+                dist.all_gather_single(buf.data, b.param_shard, group=self.group)
+            out.update({n: v.clone() for n, v in zip(b.names, buf.views)})
+        return out
+
+
+class LiveParams:
+    """Stage 3's high-water marks of full parameters alive at once, read from the buffers'
+    storage sizes after every gather and free: all units, and blocks (units but the root)."""
+
+    def __init__(self, zero: ZeroModel):
+        self.zero = zero
+        self.peak_bytes = 0
+        self.peak_units = 0  # non-root units whose full parameters were alive together
+
+    def update(self) -> None:
+        if self.zero.stage < 3:
+            return
+        units = [b.full_bytes_alive() for b in self.zero.unit_buckets]
+        root = self.zero.root.full_bytes_alive() if self.zero.root else 0
+        self.peak_bytes = max(self.peak_bytes, root + sum(units))
+        self.peak_units = max(self.peak_units, sum(a > 0 for a in units))
+
+    def limit_bytes(self, units: int = 2) -> int:
+        """The stated limit: the root unit plus the `units` largest other units."""
+        full = lambda b: b.padded_numel * b.full.data.element_size()  # noqa: E731
+        sizes = sorted((full(b) for b in self.zero.unit_buckets), reverse=True)
+        return (full(self.zero.root) if self.zero.root else 0) + sum(sizes[:units])
+
+
+# --- how the parameters are grouped ------------------------------------------------------------
+
+
+def _size_buckets(named, cap_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Stages 1 and 2: buckets of about `cap_bytes`, in reverse registration order (the order
+    backward produces gradients in, roughly: output layer first), as DDP and DeepSpeed do."""
+    nbytes = [p.numel() * p.element_size() for _, p in named]
+    order = list(reversed(range(len(named))))
+    return [[named[i] for i in idx] for idx in assign_buckets(nbytes, order, cap_bytes, cap_bytes)]
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    return []  # one unit: the whole module is the root
+
+
+def _unit_param_groups(units, named):
+    """Stage 3: (root params, [unit 0's params, unit 1's, ...]); a parameter that appears in more
+    than one unit, or in none, belongs to the root (it is gathered whenever the model runs)."""
+    owners: dict[int, set[int]] = {}
+    for u, unit in enumerate(units):
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(u)
+    groups: list[list] = [[] for _ in range(len(units) + 1)]
+    for name, p in named:
+        owner = owners.get(id(p), set())
+        groups[1 + next(iter(owner)) if len(owner) == 1 else 0].append((name, p))
+    empty = [u for u, g in enumerate(groups[1:]) if not g]
+    if empty:
+        raise ZeroError(f"ZeRO-3 units {empty} hold no trainable parameters of their own")
+    return groups[0], groups[1:]
+
+
+def apply_zero(
+    model: nn.Module,
+    grid,
+    stage: int,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    **kwargs,
+) -> ZeroModel:
+    """Shard `model`'s training state over the grid's data-parallel ranks (dp x cp, as
+    Megatron's distributed optimizer does). Expects an unwrapped module whose parameters may
+    already be TP shards or one pipeline stage's; returns the ZeroModel that owns the
+    optimizer. Keyword arguments go to ZeroModel (bucket_cap_mb, units, prefetch)."""
+    check_zero_args(stage, kwargs.get("bucket_cap_mb", 25.0))
+    return ZeroModel(model, stage, make_optimizer, group=grid.group("dp", "cp"), **kwargs)

@@ -1,0 +1,514 @@
+"""Day 18: ZeRO-1/2/3 by hand, torch's ZeroRedundancyOptimizer / FSDP2 and DeepSpeed vs one process.
+
+Reference: one process, the same model (tiny-nobias GPT, seed 0; or OddMLP, whose 55 parameters
+divide by neither 2 nor 4, so every flat buffer is padded), the global batch of every step,
+torch AdamW (lr 1e-2, eps 1e-6). fp32 throughout, K = 3 steps.
+
+Tolerances: losses rtol 1e-5 (the mean over the global batch, summed in another order: ~1e-7).
+Parameters atol 2e-5: after Adam a gradient's rounding difference delta moves an element by up
+to lr * delta / (4 eps) where |g| ~ eps (dtl/model.py); measured gaps are ~2e-6.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from day18_zero import engines, formulas
+from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from day18_zero.zero import ZeroError, ZeroModel, check_zero_args
+from dtl.comm import CommCounter
+from dtl.model import GPT, preset
+from dtl.testing import reference_train, run_distributed
+
+B, T, K = 2, 16, 3
+OPT = engines.OptimConfig(lr=1e-2, eps=1e-6)
+SGD = engines.OptimConfig(lr=0.5, name="sgd")  # Adam hides a gradient off by a factor; SGD not
+SGD_TOL = dict(rtol=1e-5, atol=1e-6)
+LOSS_TOL = dict(rtol=1e-5, atol=0.0)
+PARAM_TOL = dict(rtol=1e-5, atol=2e-5)
+CAP_MB = 0.02  # small buckets: tiny-nobias's 133 KiB splits into several, each padded
+
+
+class OddMLP(nn.Module):
+    """55 parameters (7*5 + 5 + 5*3): padding at N = 2 and 4; `blocks` = ZeRO-3 units, no root."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(7, 5), nn.Linear(5, 3, bias=False)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+
+def make_model(kind: str) -> nn.Module:
+    return GPT(preset("tiny-nobias"), seed=0) if kind == "gpt" else OddMLP()
+
+
+def global_batch(kind: str, step: int, rows: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "gpt":
+        t = torch.randint(0, 256, (rows, T + 1), generator=g)
+        return t[:, :-1], t[:, 1:]
+    return torch.randn(rows, 7, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def my_micro_batches(kind, step, rank, world, micro):
+    """This rank's rows of the global batch, cut into `micro` micro-batches of B rows."""
+    x, y = global_batch(kind, step, B * micro * world)
+    lo = rank * B * micro
+    return [
+        (x[lo + m * B : lo + (m + 1) * B], y[lo + m * B : lo + (m + 1) * B]) for m in range(micro)
+    ]
+
+
+def reference(kind, world, micro, opt=OPT):
+    model = make_model(kind)
+    opt = opt.make(model.parameters())
+    losses = reference_train(model, lambda s: global_batch(kind, s, B * micro * world), opt, K)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+# --- what each rank runs ------------------------------------------------------------------------
+
+
+def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", prefetch=True, opt=OPT):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    if dtype == "bf16" and impl == "hand":
+        model = model.to(torch.bfloat16)
+    ds = None
+    if impl == "deepspeed":
+        ds = load_ds_config(
+            default_ds_config_path(stage),
+            stage=stage,
+            micro_batch=B,
+            grad_accum=micro,
+            world_size=world,
+            opt=OPT,
+            dtype=dtype,
+            device_type="cpu",
+        )
+    t = engines.build(
+        impl,
+        stage,
+        model,
+        None,
+        opt,
+        no_sync=no_sync,
+        bucket_cap_mb=CAP_MB,
+        prefetch=prefetch,
+        ds_config=ds,
+    )
+    losses, comm = [], {}
+    for step in range(K):
+        before = dict(counter.ring_bytes)
+        local = t.step(my_micro_batches(kind, step, rank, world, micro))
+        comm = {k: v - before.get(k, 0) for k, v in counter.ring_bytes.items()}
+        losses.append(engines.global_mean(local))
+    live = None
+    if impl == "hand" and stage == 3:
+        lv = t.model.live
+        live = (lv.peak_units, lv.peak_bytes, lv.limit_bytes())
+    return dict(
+        losses=losses,
+        params=t.full_parameters(),
+        bytes=t.bytes_before_step,
+        comm={k: v for k, v in comm.items() if v},
+        padded=t.padded_numel(),
+        live=live,
+    )
+
+
+def _train_on_grid(counter, stage):
+    """apply_zero on a 2 x 2 grid (dp=2, tp=2): ZeRO over each dp group only; the two tp ranks
+    of a dp rank hold the same model and data, so each dp group must reproduce world size 2."""
+    from day18_zero.zero import apply_zero
+    from dtl.dist import ParallelGrid
+    from dtl.model import loss_fn
+
+    grid = ParallelGrid(dp=2, tp=2)
+    model = apply_zero(make_model("gpt"), grid, stage, OPT.make, bucket_cap_mb=CAP_MB)
+    losses = []
+    for step in range(K):
+        ((x, y),) = my_micro_batches("gpt", step, grid.dp_rank, grid.dp_size, 1)
+        model.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.step()
+        losses.append(engines.global_mean(loss.item(), grid.group("dp", "cp")))
+    return dict(losses=losses, params=model.full_parameters())
+
+
+def _runs(configs):
+    # one counter for the whole process, entered before any DeepSpeed engine exists: DeepSpeed
+    # binds torch.distributed's functions when its first engine starts
+    counter = CommCounter().__enter__()
+    run = {"grid": _train_on_grid}
+    return {
+        key: run.get(args[0], _train)(counter, *args[1:] if args[0] in run else args)
+        for key, args in configs
+    }
+
+
+def _hand_configs(world):
+    cfgs = []
+    for stage in (1, 2, 3):
+        cfgs += [
+            (("gpt", stage, 1, True), ("gpt", "hand", stage, 1)),
+            (("gpt", stage, 3, True), ("gpt", "hand", stage, 3, True)),  # no_sync accumulation
+            (("gpt", stage, 2, False), ("gpt", "hand", stage, 2, False)),  # reduce every micro
+            (("mlp", stage, 2, True), ("mlp", "hand", stage, 2, True)),
+        ]
+    cfgs.append((("gpt", 3, 1, "no-prefetch"), ("gpt", "hand", 3, 1, True, "fp32", False)))
+    for stage in (1, 2, 3):  # accumulation with a reduce-scatter per micro-step, under SGD
+        cfgs.append(((f"sgd-{stage}",), ("gpt", "hand", stage, 2, False, "fp32", True, SGD)))
+    if world == 2:
+        cfgs += [((f"bf16-{s}",), ("gpt", "hand", s, 1, True, "bf16")) for s in (1, 2, 3)]
+    else:
+        cfgs += [((f"grid-{s}",), ("grid", s)) for s in (1, 3)]
+    return cfgs
+
+
+def _library_configs(world):
+    cfgs = []
+    for stage in (0, 1, 2, 3):
+        cfgs += [
+            ((f"torch-{stage}", 1), ("gpt", "torch", stage, 1)),
+            ((f"torch-{stage}", 2), ("gpt", "torch", stage, 2)),
+        ]
+    for stage in (1, 3):
+        cfgs.append(
+            ((f"torch-{stage}", "sgd"), ("gpt", "torch", stage, 2, True, "fp32", True, SGD))
+        )
+    for stage in (1, 2, 3):
+        cfgs += [
+            ((f"ds-{stage}", 1), ("gpt", "deepspeed", stage, 1)),
+            ((f"ds-{stage}", 2), ("gpt", "deepspeed", stage, 2)),
+        ]
+        if world == 2:
+            cfgs += [
+                ((f"ds-{stage}", "mlp"), ("mlp", "deepspeed", stage, 2)),
+                ((f"ds-{stage}", "bf16"), ("gpt", "deepspeed", stage, 1, True, "bf16")),
+            ]
+    return cfgs
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def hand(request):
+    world = request.param
+    return world, run_distributed(_runs, _hand_configs(world), world_size=world, timeout_s=240)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def library(request):
+    world = request.param
+    return world, run_distributed(_runs, _library_configs(world), world_size=world, timeout_s=300)
+
+
+def assert_matches_reference(result, kind, world, micro, opt=OPT, tol=PARAM_TOL):
+    ref_losses, ref_params = reference(kind, world, micro, opt)
+    torch.testing.assert_close(result["losses"], ref_losses, **LOSS_TOL)
+    assert result["params"].keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(result["params"][name].float(), ref, **tol, msg=name)
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+
+def test_hand_zero_1_2_3_match_one_process_with_accumulation_and_padding(hand):
+    world, ranks = hand
+    for key, res in ranks[0].items():
+        if key[0] in ("gpt", "mlp") and key[3] != "no-prefetch":
+            kind, _, micro, _ = key
+            assert_matches_reference(res, kind, world, micro)
+    for stage in (1, 2, 3):  # SGD: a sum-instead-of-mean or a lost micro-step would show here
+        assert_matches_reference(ranks[0][(f"sgd-{stage}",)], "gpt", world, 2, SGD, SGD_TOL)
+    if world == 4:  # apply_zero over the dp groups of a dp=2 x tp=2 grid: world size 2's result
+        for stage in (1, 3):
+            assert_matches_reference(ranks[0][(f"grid-{stage}",)], "gpt", 2, 1)
+    for r in ranks[1:]:  # every rank ends with the same full parameters
+        for key, res in r.items():
+            for name, p in res["params"].items():
+                assert torch.equal(p, ranks[0][key]["params"][name]), (key, name)
+
+
+def test_torch_zero_optimizer_fsdp2_and_deepspeed_match_one_process(library):
+    world, ranks = library
+    for key, res in ranks[0].items():
+        if key[1] in (1, 2) or key[1] == "mlp":
+            kind = "mlp" if key[1] == "mlp" else "gpt"
+            micro = 1 if key[1] == 1 else 2
+            assert_matches_reference(res, kind, world, micro)
+        if key[1] == "sgd":
+            assert_matches_reference(res, "gpt", world, 2, SGD, SGD_TOL)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def _psi():
+    return sum(p.numel() for p in make_model("gpt").parameters())
+
+
+def assert_bytes_match(got, stage, world, precision):
+    want = formulas.model_state_bytes(_psi(), world, stage, formulas.PRECISIONS[precision])
+    for kind in ("params", "grads", "optim"):
+        expected = getattr(want, kind)
+        assert abs(got[kind] - expected) <= 0.01 * expected, (stage, precision, kind, got)
+
+
+def test_hand_state_bytes_per_rank_equal_the_formula_within_1_percent(hand):
+    world, ranks = hand
+    for res in ranks:
+        for stage in (1, 2, 3):
+            assert_bytes_match(res[("gpt", stage, 1, True)]["bytes"], stage, world, "fp32")
+            if world == 2:
+                assert_bytes_match(res[(f"bf16-{stage}",)]["bytes"], stage, world, "mixed")
+
+
+def test_deepspeed_state_bytes_from_its_partitions_equal_the_formula_within_1_percent(library):
+    """fp32: DeepSpeed keeps an fp32 master partition beside fp32 params (4 + 4 + 12 B/param);
+    bf16: the paper's 2 + 2 + 12. Its stage 1 keeps only a gradient partition, like stage 2."""
+    world, ranks = library
+    for res in ranks:
+        for stage in (1, 2, 3):
+            formula_stage = 2 if stage == 1 else stage
+            assert_bytes_match(
+                res[(f"ds-{stage}", 1)]["bytes"], formula_stage, world, "fp32+master"
+            )
+            if world == 2:
+                assert_bytes_match(
+                    res[(f"ds-{stage}", "bf16")]["bytes"], formula_stage, world, "mixed"
+                )
+
+
+def test_zero3_never_holds_more_than_the_root_and_two_blocks_gathered(hand):
+    world, ranks = hand
+    for res in ranks:
+        units, peak, limit = res[("gpt", 3, 1, True)]["live"]
+        assert units == 2 and peak <= limit, (units, peak, limit)  # prefetch: this + next block
+        units, peak, limit1 = res[("gpt", 3, 1, "no-prefetch")]["live"]
+        assert units == 1, units  # without prefetch one block at a time: the count can tell
+
+
+# --- communication ------------------------------------------------------------------------------
+
+
+def test_hand_comm_bytes_per_step_are_2psi_for_zero_1_2_and_3psi_for_zero_3(hand):
+    world, ranks = hand
+    for res in ranks:
+        for stage in (1, 2, 3):
+            r = res[("gpt", stage, 1, True)]
+            want = formulas.comm_bytes_per_rank(r["padded"], world, stage, 4)
+            comm = r["comm"]
+            assert set(comm) == {"reduce_scatter", "all_gather"}, comm
+            assert comm["reduce_scatter"] + comm["all_gather"] == pytest.approx(want, rel=1e-12)
+            # Ψ plus padding only: at most N - 1 padding elements per bucket
+            assert 0 <= r["padded"] - _psi() < world * 40
+        # with 3 micro-steps under no_sync, ZeRO-3 gathers twice per micro-step, reduces once
+        r = res[("gpt", 3, 3, True)]
+        per_pass = r["padded"] * 4 * (world - 1) / world
+        assert r["comm"]["all_gather"] == pytest.approx(6 * per_pass)
+        assert r["comm"]["reduce_scatter"] == pytest.approx(per_pass)
+        # without no_sync, stage 2 reduce-scatters every micro-step (2 here), gathers once
+        r = res[("gpt", 2, 2, False)]
+        assert r["comm"]["reduce_scatter"] == pytest.approx(
+            2 * r["padded"] * 4 * (world - 1) / world
+        )
+
+
+def test_zero_redundancy_optimizer_moves_an_all_reduce_plus_a_broadcast_of_every_parameter(
+    library,
+):
+    """torch's ZeroRedundancyOptimizer rides on DDP: the gradients are all-reduced (2Ψ(N-1)/N,
+    every rank gets every averaged gradient, though it steps only its own parameters), then each
+    owner broadcasts its updated parameters (Ψ in all): more than ZeRO-1's 2Ψ(N-1)/N."""
+    world, ranks = library
+    psi_bytes = 4 * _psi()
+    comm = ranks[0][("torch-1", 1)]["comm"]
+    assert comm["all_reduce"] == pytest.approx(2 * psi_bytes * (world - 1) / world)
+    assert comm["broadcast"] == psi_bytes
+    fsdp = ranks[0][("torch-3", 1)]["comm"]  # FSDP2's fully_shard: the hand ZeRO-3 traffic
+    assert fsdp["all_gather"] + fsdp["reduce_scatter"] == pytest.approx(
+        3 * psi_bytes * (world - 1) / world
+    )
+
+
+# --- DeepSpeed checkpoints ----------------------------------------------------------------------
+
+
+def _checkpoint_round_trip(stage, ckpt_dir):
+    """Train 2 steps, save; 1 more step -> A. A fresh engine (another init) loads the checkpoint
+    and takes the same step -> must equal A bit for bit; zero_to_fp32 must equal the saved."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = load_ds_config(
+        default_ds_config_path(stage),
+        stage=stage,
+        micro_batch=B,
+        grad_accum=1,
+        world_size=world,
+        opt=OPT,
+        dtype="fp32",
+        device_type="cpu",
+    )
+    t = engines.build("deepspeed", stage, make_model("gpt"), None, OPT, ds_config=ds)
+    for step in range(2):
+        t.step(my_micro_batches("gpt", step, rank, world, 1))
+    saved = t.full_parameters()
+    t.engine.save_checkpoint(ckpt_dir)
+    dist.barrier()
+    loss_a = t.step(my_micro_batches("gpt", 2, rank, world, 1))
+    after_a = t.full_parameters()
+    fresh = engines.build(
+        "deepspeed", stage, GPT(preset("tiny-nobias"), seed=1), None, OPT, ds_config=ds
+    )
+    fresh.engine.load_checkpoint(ckpt_dir)
+    loaded = fresh.full_parameters()
+    loss_b = fresh.step(my_micro_batches("gpt", 2, rank, world, 1))
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir) if rank == 0 else None
+    return dict(
+        saved=saved,
+        loaded=loaded,
+        a=after_a,
+        b=fresh.full_parameters(),
+        losses=(loss_a, loss_b),
+        fp32=fp32,
+    )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpoint_resumes_bit_exactly_and_zero_to_fp32_equals_the_params(
+    stage, tmp_path
+):
+    res = run_distributed(_checkpoint_round_trip, stage, str(tmp_path / "ckpt"), world_size=2)[0]
+    for name in res["saved"]:
+        assert torch.equal(res["loaded"][name], res["saved"][name]), name
+        assert torch.equal(res["b"][name], res["a"][name]), name  # optimizer state resumed too
+        assert torch.equal(res["fp32"][name], res["saved"][name]), name
+    assert res["losses"][0] == res["losses"][1]
+    assert res["fp32"]["lm_head.weight"] is res["fp32"]["wte.weight"]  # the tie, rebuilt
+
+
+# --- formulas -----------------------------------------------------------------------------------
+
+
+def test_the_papers_7_5b_example_and_the_stage_formulas():
+    got = formulas.paper_example()
+    for stage, paper_gb in formulas.PAPER_GB.items():
+        assert round(got[stage], 1) == paper_gb
+    mixed = formulas.PRECISIONS["mixed"]
+    assert formulas.model_state_bytes(1, 4, 1, mixed).total == 4 + 12 / 4
+    assert formulas.model_state_bytes(1, 4, 2, mixed).total == 2 + 14 / 4
+    assert formulas.model_state_bytes(1, 4, 3, mixed).total == 16 / 4
+    assert [formulas.comm_volume_factor(s) for s in range(4)] == [2, 2, 2, 3]
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _ds(tmp_path, **changes):
+    with open(default_ds_config_path(2)) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        node, *path = key.split("__")
+        target = cfg
+        for p in [node, *path][:-1]:
+            target = target.setdefault(p, {})
+        target[[node, *path][-1]] = value
+    path = tmp_path / f"ds{len(list(tmp_path.iterdir()))}.json"  # one file per case
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _load(path, world=2):
+    return load_ds_config(
+        path,
+        stage=2,
+        micro_batch=4,
+        grad_accum=2,
+        world_size=world,
+        opt=OPT,
+        dtype="fp32",
+        device_type="cpu",
+    )
+
+
+def test_ds_config_mistakes_are_one_line_errors_before_any_collective(tmp_path):
+    assert not dist.is_initialized()
+    ok = _load(default_ds_config_path(2))
+    assert ok["train_batch_size"] == 4 * 2 * 2 and ok["optimizer"]["params"]["lr"] == OPT.lr
+    cases = [
+        (
+            _ds(tmp_path, train_batch_size=12),
+            r"train_batch_size 12 != micro-batch 4 x "
+            r"accumulation 2 x world size 2 = 16",
+        ),
+        (_ds(tmp_path, zero_optimisation={"stage": 2}), r"unknown top-level ds_config key"),
+        (_ds(tmp_path, zero_optimization__reduce_scater=True), r"zero_optimization.reduce_scater"),
+        (_ds(tmp_path, optimizer__parmas={"lr": 0.5}), r"unknown key\(s\) \['parmas'\]"),
+        (_ds(tmp_path, gradient_accumulation_steps=3), r"gradient_accumulation_steps' is 3"),
+        (_ds(tmp_path, fp16={"enabled": True}), r"fp16, which DeepSpeed refuses on a CPU"),
+        (str(tmp_path / "missing.json"), r"ds_config file not found"),
+    ]
+    for path, pattern in cases:
+        with pytest.raises(DsConfigError, match=pattern) as info:
+            _load(path)
+        assert "\n" not in str(info.value)
+
+
+def test_deepspeed_not_installed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else real(name, *a),
+    )
+    with pytest.raises(DsConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
+        _load(default_ds_config_path(2))
+
+
+def test_hand_zero_rejects_an_unknown_stage_before_any_collective():
+    assert not dist.is_initialized()
+    for stage in (0, 4, "2"):
+        with pytest.raises(ZeroError, match="unknown ZeRO stage"):
+            ZeroModel(make_model("gpt"), stage, OPT.make)
+    with pytest.raises(ZeroError, match="bucket_cap_mb"):
+        check_zero_args(2, bucket_cap_mb=0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stage=4"], "unknown ZeRO stage 4"),
+        (["--impl=fsdp"], "unknown impl 'fsdp'"),
+        (["--dtype=fp16"], "dtype fp16 needs a GPU"),
+        (["--impl=torch", "--dtype=bf16"], "dtype bf16 runs with impl=hand stages 1-3"),
+        (["--impl=deepspeed", "--grad_accum=2", "--ds_config=BAD"], "ds_config file not found"),
+    ],
+)
+def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, message, tmp_path):
+    if "--ds_config=BAD" in args:
+        args = [*args[:-1], f"--ds_config={tmp_path / 'nope.json'}"]
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "day18_zero.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
