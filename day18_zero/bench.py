@@ -38,7 +38,7 @@ PAIRS = {
 class Config:
     pairs: str = "zero2,zero3"  # comma-separated: zero2 (hand vs DeepSpeed), zero3 (hand vs FSDP2)
     model: str = "small"  # GPT preset
-    dtype: str = "fp32"  # fp32 | bf16 (the torch side of zero3 runs fp32 only)
+    dtype: str = "fp32"  # fp32 | bf16 for zero2; zero3 always runs fp32 (FSDP2 here has no master)
     batch_size: int = 4  # sequences per rank
     seq_len: int = 64  # tokens per sequence
     steps: int = 12  # steps per trainer, alternating
@@ -76,9 +76,9 @@ class Config:
         )
 
 
-def make_trainer(cfg: Config, impl: str, stage: int, device) -> engines.Trainer:
+def make_trainer(cfg: Config, pair: str, impl: str, stage: int, device) -> engines.Trainer:
     gpt = GPT(preset(cfg.model), seed=0).to(device)
-    dtype = cfg.dtype if impl != "torch" else "fp32"
+    dtype = cfg.dtype if pair == "zero2" else "fp32"  # both sides of a pair in one precision
     if dtype == "bf16" and impl == "hand":
         gpt = gpt.to(torch.bfloat16)
     return engines.build(
@@ -101,8 +101,8 @@ def timed_step(trainer: engines.Trainer, batch, device) -> float:
 
 def compare(cfg: Config, info, tokens, pair: str) -> dict:
     (impl_a, stage_a), (impl_b, stage_b) = PAIRS[pair]
-    a = make_trainer(cfg, impl_a, stage_a, info.device)
-    b = make_trainer(cfg, impl_b, stage_b, info.device)
+    a = make_trainer(cfg, pair, impl_a, stage_a, info.device)
+    b = make_trainer(cfg, pair, impl_b, stage_b, info.device)
     times_a, times_b = [], []
     for step in range(cfg.steps):
         x, y = get_batch(
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             w.writerows(rows)
     for r in rows:
         dtl_dist.print0(
-            f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {cfg.dtype}: "
+            f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {r['dtype']}: "
             f"{r['a']} / {r['b']} step time = {r['a_ms']:.0f} / {r['b_ms']:.0f} ms = "
             f"{r['ratio']:.2f} (medians of {r['steps']} interleaved steps)"
         )

@@ -258,6 +258,15 @@ def _print_per_rank_totals(total: int) -> None:
 
 def _print_live_and_device_memory(t: engines.Trainer, info, formula_total: float) -> None:
     live = getattr(getattr(t, "model", None), "live", None)
+    if t.impl == "hand" and t.stage >= 2 and live is not None:
+        buckets = t.model.buckets
+        full = sum(b.padded_numel * b.full.data.element_size() for b in buckets)
+        peak = live.peak_grad_bytes
+        dtl_dist.print0(
+            f"full (P,) gradient buffers alive during backward: peak {peak / MB:.3f}"
+            f" MB of {full / MB:.3f} MB for all {len(buckets)} buckets (at most "
+            f"{t.model.max_in_flight} reduce-scatters in flight + the bucket being filled)"
+        )
     if t.impl == "hand" and t.stage == 3 and live is not None:
         dtl_dist.print0(
             f"ZeRO-3 gathered parameters: peak {live.peak_bytes / MB:.3f} MB, at most "

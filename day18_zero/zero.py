@@ -42,6 +42,7 @@ and FSDP2 (torch/distributed/fsdp/_fully_shard/), which do the same with more ma
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -103,7 +104,7 @@ class Bucket:
         self.grad_shard = (
             self.full_grads.shard(rank, world) if stage == 1 else self._zeros(self.shard_numel)
         )
-        self.ready = 0  # parameters whose gradient arrived in this backward
+        self.arrived: set[int] = set()  # parameters whose gradient arrived in this backward
         self.reduce_work = None  # the async reduce-scatter in flight, if any
         self.gather_work = None  # stage 3: the async all-gather in flight (a prefetch), if any
         self.gathered = stage < 3
@@ -135,7 +136,11 @@ class Bucket:
         if self.full_grads is None:  # stages 2 and 3 allocate it per backward (or per no_sync)
             self.full_grads = self._new_grad_buffer()
         self.full_grads.views[i].add_(grad)
-        self.ready += 1
+        self.arrived.add(i)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.arrived) == len(self.params)
 
     def launch_reduce_scatter(self) -> None:
         # (P,) my local grads on every rank -> (P/N,) the SUM over ranks of my slice, written in
@@ -216,10 +221,15 @@ class ZeroModel(nn.Module):
         bucket_cap_mb: float = 25.0,
         units: list[nn.Module] | None = None,
         prefetch: bool = True,
+        max_in_flight: int = 2,
     ):
         check_zero_args(stage, bucket_cap_mb)
         super().__init__()
         self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+        # stages 2-3: reduce-scatters allowed in flight during backward; launching one more first
+        # finishes the oldest and frees its (P,) gradient buffer (DeepSpeed double-buffers too)
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[Bucket] = deque()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.require_backward_grad_sync = True  # what no_sync() flips
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -244,7 +254,7 @@ class ZeroModel(nn.Module):
         self._synced_backward = True
         if stage == 3:
             self._install_unit_hooks()
-        self.live = LiveParams(self)
+        self.live = LiveMemory(self)
 
     @torch.no_grad()
     def _broadcast_from_first_rank(self) -> None:
@@ -354,29 +364,39 @@ class ZeroModel(nn.Module):
         bucket, i = self.locate[id(p)]
         bucket.add_grad(i, p.grad)
         p.grad = None  # the bucket holds it now; the model keeps no gradient of its own
-        if bucket.ready < len(bucket.params):
+        self.live.update_grads()
+        if not bucket.complete:
             return
         if self.stage >= 2 and self._synced_backward:
             bucket.launch_reduce_scatter()  # overlaps with the rest of backward
+            self._in_flight.append(bucket)
+            self._retire(keep=self.max_in_flight)
         if self.stage == 3:
             bucket.free_full_params()  # its backward is done: give the full params back
             self.live.update()
+
+    def _retire(self, keep: int) -> None:
+        """Finish the oldest reduce-scatters (wait, average, keep my slice, free the (P,)
+        buffer) until at most `keep` are in flight; also any that have already completed."""
+        while self._in_flight and (
+            len(self._in_flight) > keep or self._in_flight[0].reduce_work.is_completed()
+        ):
+            self._in_flight.popleft().finish_reduce_scatter()
 
     def _finalize(self) -> None:
         """After the last gradient of this backward (DDP's finalize_backward)."""
         self._queued = False
         for bucket in self.buckets:
-            if bucket.ready < len(bucket.params):
-                missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
+            if not bucket.complete:
+                missing = [n for i, n in enumerate(bucket.names) if i not in bucket.arrived]
                 raise RuntimeError(
                     f"ZeRO: parameters got no gradient in this backward ({missing[:3]} ...); "
                     "every trained parameter must be used in the loss"
                 )
-            bucket.ready = 0
-            if self.stage >= 2 and self._synced_backward:
-                bucket.finish_reduce_scatter()
+            bucket.arrived.clear()
             if self.stage == 3 and bucket.gathered:
                 bucket.free_full_params()
+        self._retire(keep=0)  # the step needs every averaged slice
 
     # --- the optimizer step on this rank's slices ----------------------------------------------
 
@@ -447,14 +467,22 @@ class ZeroModel(nn.Module):
         return out
 
 
-class LiveParams:
-    """Stage 3's high-water marks of full parameters alive at once, read from the buffers'
-    storage sizes after every gather and free: all units, and blocks (units but the root)."""
+class LiveMemory:
+    """High-water marks of what exists only for a while, read from the live buffers:
+    stage 3's full parameters (all units; and how many non-root units at once), after every
+    gather and free; the full (P,) gradient buffers, after every gradient hook."""
 
     def __init__(self, zero: ZeroModel):
         self.zero = zero
         self.peak_bytes = 0
         self.peak_units = 0  # non-root units whose full parameters were alive together
+        self.peak_grad_bytes = 0
+
+    def update_grads(self) -> None:
+        alive = sum(
+            _nbytes(b.full_grads.data) for b in self.zero.buckets if b.full_grads is not None
+        )
+        self.peak_grad_bytes = max(self.peak_grad_bytes, alive)
 
     def update(self) -> None:
         if self.zero.stage < 3:

@@ -113,9 +113,16 @@ def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", pref
         comm = {k: v - before.get(k, 0) for k, v in counter.ring_bytes.items()}
         losses.append(engines.global_mean(local))
     live = None
-    if impl == "hand" and stage == 3:
+    if impl == "hand" and stage >= 2:
         lv = t.model.live
-        live = (lv.peak_units, lv.peak_bytes, lv.limit_bytes())
+        biggest = max(b.padded_numel * 4 for b in t.model.buckets)  # fp32 (P,) buffer bytes
+        live = dict(
+            units=lv.peak_units,
+            bytes=lv.peak_bytes,
+            limit=lv.limit_bytes(),
+            grad_bytes=lv.peak_grad_bytes,
+            biggest_bucket=biggest,
+        )
     return dict(
         losses=losses,
         params=t.full_parameters(),
@@ -293,10 +300,24 @@ def test_deepspeed_state_bytes_from_its_partitions_equal_the_formula_within_1_pe
 def test_zero3_never_holds_more_than_the_root_and_two_blocks_gathered(hand):
     world, ranks = hand
     for res in ranks:
-        units, peak, limit = res[("gpt", 3, 1, True)]["live"]
-        assert units == 2 and peak <= limit, (units, peak, limit)  # prefetch: this + next block
-        units, peak, limit1 = res[("gpt", 3, 1, "no-prefetch")]["live"]
-        assert units == 1, units  # without prefetch one block at a time: the count can tell
+        live = res[("gpt", 3, 1, True)]["live"]
+        assert live["units"] == 2 and live["bytes"] <= live["limit"], live  # this + next block
+        live = res[("gpt", 3, 1, "no-prefetch")]["live"]
+        assert live["units"] == 1, live  # without prefetch one block at a time: the count can tell
+
+
+def test_zero2_and_3_free_each_full_gradient_buffer_during_backward(hand):
+    """At most max_in_flight (2) reduce-scatters in flight plus the bucket being filled: the full
+    (P,) gradient buffers alive during backward stay below the whole model's gradients."""
+    world, ranks = hand
+    for res in ranks:
+        for stage in (2, 3):
+            r = res[("gpt", stage, 1, True)]
+            assert r["live"]["grad_bytes"] <= 3 * r["live"]["biggest_bucket"], (stage, r["live"])
+        assert res[("gpt", 2, 1, True)]["live"]["grad_bytes"] < 4 * _psi()
+        # the control: under no_sync every bucket keeps its (P,) buffer, all at once
+        r = res[("gpt", 2, 3, True)]
+        assert r["live"]["grad_bytes"] == 4 * r["padded"]
 
 
 # --- communication ------------------------------------------------------------------------------
