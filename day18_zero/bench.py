@@ -125,6 +125,7 @@ def compare(cfg: Config, info, tokens, pair: str) -> dict:
     med_a, med_b = statistics.median(times_a), statistics.median(times_b)
     return dict(
         pair=pair,
+        dtype=cfg.dtype if pair == "zero2" else "fp32",
         a=a.label,
         b=b.label,
         a_ms=med_a,
