@@ -1,0 +1,1 @@
+"""Day 19: tensor parallelism by hand (Megatron column/row layers, vocab-parallel)."""
