@@ -224,7 +224,9 @@ def assert_matches_reference(result, kind, world, micro, opt=OPT, tol=PARAM_TOL)
     torch.testing.assert_close(result["losses"], ref_losses, **LOSS_TOL)
     assert result["params"].keys() == ref_params.keys()
     for name, ref in ref_params.items():
-        torch.testing.assert_close(result["params"][name].float(), ref, **tol, msg=name)
+        torch.testing.assert_close(
+            result["params"][name].float(), ref, **tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 # --- numerics -----------------------------------------------------------------------------------
