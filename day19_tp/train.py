@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from day19_tp import formulas
+from day19_tp.layout import plot_layout
 from day19_tp.tp import TPError, apply_tp, check_tp, full_tensors, tp_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -182,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     dtl_dist.print0(f"grid: {grid}")
     result = run(cfg, info, grid)
     ok = report(cfg, info, grid, result)
+    if info.is_main:  # who holds which weight elements, drawn by the TP plan itself
+        path = os.path.join(cfg.out_dir, "layout.png")
+        plot_layout(preset(cfg.model, n_layer=1), cfg.tp, path)
+        print(f"layout: {path}", flush=True)
     dtl_dist.cleanup()
     if not ok:
         raise SystemExit(1)
