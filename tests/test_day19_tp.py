@@ -152,12 +152,27 @@ def _activations(grid):
     return out
 
 
+def _block_traffic(grid):
+    """One block's TP all-reduces, forward and backward counted apart: (calls, bytes) each."""
+    gpt = apply_tp(GPT(CFG, seed=0), grid, pad_vocab=True)
+    x = _rand(B, T, CFG.n_embd, seed=14).requires_grad_()
+    with CommCounter(group=grid.tp_group) as fwd:
+        y = gpt.blocks["0"](x)
+    with CommCounter(group=grid.tp_group) as bwd:
+        y.sum().backward()
+    return [(c.calls["all_reduce"], c.bytes["all_reduce"]) for c in (fwd, bwd)]
+
+
 def _world_body(tp, dp):
     grid = ParallelGrid(tp=tp, dp=dp)
-    out = {"layers": _layers(grid), "activations": _activations(grid)}
+    out = {
+        "layers": _layers(grid),
+        "activations": _activations(grid),
+        "block": _block_traffic(grid),
+    }
     for name in ("sgd", "adamw"):
         out[name] = _train_gpt(grid, name)
-    if tp == 2 and dp == 1:
+    if dp == 1:
         out["megatron"] = _megatron_layers(grid)
         out["dtensor"] = _parallelize_module_mlp(grid)
     return out
@@ -281,6 +296,10 @@ def test_tp_gpt_loss_gradients_and_parameters_after_k_steps_equal_the_dense_mode
 
 def test_tp_traffic_per_step_is_4_all_reduces_per_block_plus_embedding_head_and_loss(world):
     tp, _, ranks = world
+    for res in ranks:  # one block: g after attention and MLP forward, f before both backward
+        (fwd_calls, fwd_bytes), (bwd_calls, bwd_bytes) = res["block"]
+        assert (fwd_calls, bwd_calls) == (2, 2)
+        assert fwd_bytes == bwd_bytes == 2 * B * T * CFG.n_embd * 4
     tokens = B * T
     terms = formulas.comm_elements_per_step(CFG, tokens)
     for res in ranks:
@@ -415,9 +434,9 @@ def _megatron_layers(grid):
     return out
 
 
-@pytest.mark.parametrize("world", [(2, 1)], ids=["tp2"], indirect=True)
+@pytest.mark.parametrize("world", [(2, 1), (4, 1)], ids=["tp2", "tp4"], indirect=True)
 def test_megatron_core_layers_give_the_same_outputs_and_gradients_as_ours(world):
-    tp, dp, ranks = world  # once, at tp = 2 (the world-2 run builds it)
+    tp, dp, ranks = world
     for res in ranks:
         m, o = res["megatron"]["megatron"], res["megatron"]["ours"]
         for key in m:
@@ -475,9 +494,9 @@ def _distribute_like(full, dtensor_param):
     return distribute_tensor(full.detach(), dtensor_param.device_mesh, dtensor_param.placements)
 
 
-@pytest.mark.parametrize("world", [(2, 1)], ids=["tp2"], indirect=True)
+@pytest.mark.parametrize("world", [(2, 1), (4, 1)], ids=["tp2", "tp4"], indirect=True)
 def test_torch_parallelize_module_colwise_rowwise_equals_ours(world):
-    tp, dp, ranks = world  # once, at tp = 2 (the world-2 run builds it)
+    tp, dp, ranks = world
     for res in ranks:
         d = res["dtensor"]
         for key in d["ours"]:
