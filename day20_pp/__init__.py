@@ -1,0 +1,1 @@
+"""Day 20: pipeline parallelism by hand (GPipe, 1F1B, interleaved, zero-bubble)."""
