@@ -1,0 +1,210 @@
+"""Day 20: one pipeline runtime that executes any schedule's action list on real GPT stages.
+
+    stages = build_stages(cfg, grid, v)                 # this rank's v model chunks
+    runner = PipelineRunner(stages, grid, cfg, micro_batch_shape)
+    loss = runner.step(schedule[grid.pp_rank], micro_batches)   # grads accumulated in the stages
+
+Stage s of S = p·v holds blocks [s·L/S, (s+1)·L/S) of the shared GPT (dtl.model: a stage is the
+GPT with the other blocks deleted and wte/wpe or ln_f/lm_head set to None); stage s lives on
+rank s % p as its chunk s // p. Stage 0 embeds the tokens, stage S-1 computes the loss.
+
+Per action, on this rank:
+    F(mb, c)  input: the tokens (stage 0) or recv (B_mb, T, C) from the previous stage's rank;
+              run the stage; send the output to the next stage's rank, or (last stage) keep
+              loss / m for the backward
+    B(mb, c)  recv dL/d(output) from the next stage's rank (or start from the loss); backward;
+              send dL/d(input) to the previous stage's rank
+    I, W      B split: I computes only dL/d(input) (torch.autograd.grad, graph kept) and sends
+              it; W then computes the weight gradients (torch.autograd.backward(inputs=weights))
+Sends are isend (waited at the end of the step); receives block until the data is there, so a
+valid schedule (checked by schedules.simulate) cannot deadlock. Every message has a tag made of
+(micro-batch, chunk, direction), and every buffer's shape comes from the config: no handshake.
+After the last action, the tied embedding's two copies (wte on the first stage, lm_head on the
+last) get their gradients summed over the embedding group, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from day20_pp.schedules import Action
+from dtl.model import GPT, GPTConfig, loss_fn
+
+
+class PipelineError(ValueError):
+    """Sizes the pipeline cannot take; a one-line message."""
+
+
+def check_pipeline(cfg: GPTConfig, p: int, v: int = 1) -> None:
+    if cfg.n_layer < p * v:
+        raise PipelineError(f"{p * v} stages (pp {p} x chunks {v}) but only {cfg.n_layer} layers")
+    if cfg.n_layer % (p * v):
+        raise PipelineError(f"n_layer {cfg.n_layer} is not divisible by pp {p} x chunks {v}")
+
+
+def build_stage(cfg: GPTConfig, stage: int, n_stages: int, seed: int) -> GPT:
+    """The GPT with only stage `stage`'s blocks; embeddings on the first, head on the last.
+    Parameters keep their one-process names (blocks.5.mlp.c_fc.weight), values and init."""
+    gpt = GPT(cfg, seed=seed)
+    per = cfg.n_layer // n_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in [k for k in gpt.blocks if k not in keep]:
+        del gpt.blocks[name]
+    if stage > 0:
+        gpt.wte = gpt.wpe = None
+    if stage < n_stages - 1:
+        gpt.ln_f = gpt.lm_head = None  # a tied lm_head on the last stage keeps wte's values
+    return gpt
+
+
+def build_stages(cfg: GPTConfig, grid, v: int, seed: int = 0) -> list[GPT]:
+    p, r = grid.pp_size, grid.pp_rank
+    check_pipeline(cfg, p, v)
+    return [build_stage(cfg, c * p + r, p * v, seed) for c in range(v)]
+
+
+@dataclass
+class StepRecord:
+    """What one step did on this rank: the actions' host times and the in-flight high-water."""
+
+    spans: list[tuple[float, float, Action]] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+class PipelineRunner:
+    def __init__(self, stages: list[GPT], grid, cfg: GPTConfig, micro_shape: tuple[int, int]):
+        self.stages, self.grid, self.cfg = stages, grid, cfg
+        self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
+        self.n_stages = self.p * self.v
+        self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
+        self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
+
+    # --- where things live --------------------------------------------------------------------
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.p + self.r
+
+    def _rank_of(self, stage: int) -> int:
+        return self.pp_ranks[stage % self.p]
+
+    def _tag(self, mb: int, stage: int, backward: bool) -> int:
+        return (mb * self.n_stages + stage) * 2 + int(backward)
+
+    def _hidden(self) -> torch.Tensor:
+        b, t = self.micro_shape
+        return torch.empty(b, t, self.cfg.n_embd)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self, actions: list[Action], micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Run this rank's actions for one optimizer step; returns the summed loss / m on the
+        last stage (None elsewhere) and the StepRecord. Gradients accumulate in the stages."""
+        self.m = len(micro_batches)
+        self.batches = micro_batches
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> stage input
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> output / loss
+        self.out_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.sends: list = []
+        self.loss = 0.0
+        rec, alive = StepRecord(), 0
+        for a in actions:
+            t0 = time.perf_counter()
+            getattr(self, f"_{a.kind}")(a.mb, a.chunk)
+            rec.spans.append((t0, time.perf_counter(), a))
+            alive += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            rec.peak_in_flight = max(rec.peak_in_flight, alive)
+        for work in self.sends:  # every isend must complete before its buffer is reused
+            work.wait()
+        self._sum_tied_embedding_grads()
+        last = self._stage(self.v - 1) == self.n_stages - 1
+        return (self.loss if last else None), rec
+
+    def _F(self, mb: int, chunk: int) -> None:
+        stage, model = self._stage(chunk), self.stages[chunk]
+        if stage == 0:
+            x = self.batches[mb][0]
+        else:  # (B_mb, T, C) activations from the previous stage
+            x = self._hidden()
+            dist.irecv(x, src=self._rank_of(stage - 1), tag=self._tag(mb, stage, False)).wait()
+            x.requires_grad_()
+        out = model(x)
+        self.inputs[(mb, chunk)] = x
+        if stage == self.n_stages - 1:
+            out = loss_fn(out, self.batches[mb][1]) / self.m  # the mean over micro-batches
+            self.loss += out.item()
+        else:
+            self.sends.append(
+                dist.isend(
+                    out.detach().contiguous(),
+                    dst=self._rank_of(stage + 1),
+                    tag=self._tag(mb, stage + 1, False),
+                )
+            )
+        self.outputs[(mb, chunk)] = out
+
+    def _grad_of_output(self, mb: int, chunk: int) -> torch.Tensor | None:
+        stage = self._stage(chunk)
+        if stage == self.n_stages - 1:
+            return None  # the loss: backward starts here
+        g = self._hidden()
+        dist.irecv(g, src=self._rank_of(stage + 1), tag=self._tag(mb, stage, True)).wait()
+        return g
+
+    def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
+        stage = self._stage(chunk)
+        if stage > 0:
+            self.sends.append(
+                dist.isend(
+                    grad.contiguous(),
+                    dst=self._rank_of(stage - 1),
+                    tag=self._tag(mb, stage - 1, True),
+                )
+            )
+
+    def _B(self, mb: int, chunk: int) -> None:
+        out, x = self.outputs.pop((mb, chunk)), self.inputs.pop((mb, chunk))
+        out.backward(self._grad_of_output(mb, chunk))  # weights' grads accumulate; x.grad too
+        self._send_input_grad(mb, chunk, x.grad if x.requires_grad else None)
+
+    def _I(self, mb: int, chunk: int) -> None:
+        out, x = self.outputs[(mb, chunk)], self.inputs[(mb, chunk)]
+        g = self._grad_of_output(mb, chunk)
+        self.out_grads[(mb, chunk)] = g
+        if x.requires_grad:  # dL/d(input) only; the graph is kept for W
+            (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+            self._send_input_grad(mb, chunk, dx)
+
+    def _W(self, mb: int, chunk: int) -> None:
+        out, _ = self.outputs.pop((mb, chunk)), self.inputs.pop((mb, chunk))
+        weights = [p for p in self.stages[chunk].parameters() if p.requires_grad]
+        # the weight gradients: a second walk of the kept graph, accumulating into .grad only
+        torch.autograd.backward(out, self.out_grads.pop((mb, chunk)), inputs=weights)
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """wte (first stage) and lm_head (last stage) are one weight in the model: sum their
+        gradients over the embedding group so both copies take the same step."""
+        if self.p == 1 or not self.cfg.tie_weights:
+            return
+        first, last = self.stages[0], self.stages[-1]
+        weight = None
+        if self._stage(0) == 0:
+            weight = first.wte.weight
+        elif self._stage(self.v - 1) == self.n_stages - 1:
+            weight = last.lm_head.weight
+        if weight is not None:
+            dist.all_reduce(weight.grad, group=self.grid.embedding_group)
+
+
+def stage_parameters(stages: list[GPT]) -> dict[str, nn.Parameter]:
+    """name -> parameter over this rank's chunks, by one-process name (lm_head on the last
+    stage included: with tied weights it is a copy of wte)."""
+    out = {}
+    for s in stages:
+        for name, p in s.named_parameters(remove_duplicate=False):
+            out[name] = p
+    return out
