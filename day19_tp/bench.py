@@ -148,10 +148,11 @@ def run_ratio(cfg: Config, info) -> dict:
 
     mcfg = preset(cfg.model)
     grid = ParallelGrid(tp=2, dp=info.world_size // 2)
-    ours = apply_tp(GPT(mcfg, seed=0), grid).blocks["0"]
+    device = info.device
+    ours = apply_tp(GPT(mcfg, seed=0), grid).blocks["0"].to(device)
     s, b, h = cfg.seq_len, cfg.batch_size, mcfg.n_embd
-    x_ours = torch.randn(b, s, h, requires_grad=True)  # ours: [b, s, h]
-    x_theirs = torch.randn(s, b, h, requires_grad=True)  # megatron: [s, b, h]
+    x_ours = torch.randn(b, s, h, device=device, requires_grad=True)  # ours: [b, s, h]
+    x_theirs = torch.randn(s, b, h, device=device, requires_grad=True)  # megatron: [s, b, h]
     dm.init_parallel_state(grid)
     times = {"ours": [], "megatron": []}
     try:
@@ -170,6 +171,8 @@ def run_ratio(cfg: Config, info) -> dict:
                 for name, fn in order if i % 2 == 0 else reversed(order):
                     t0 = time.perf_counter()
                     fn()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
                     if i:
                         times[name].append((time.perf_counter() - t0) * 1e3)
     finally:
