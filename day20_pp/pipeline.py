@@ -113,9 +113,11 @@ class PipelineRunner:
         self.loss = 0.0
         rec, alive = StepRecord(), 0
         for a in actions:
+            self._t_ready = None  # set when the action's input has arrived (after its recv)
             t0 = time.perf_counter()
             getattr(self, f"_{a.kind}")(a.mb, a.chunk)
-            rec.spans.append((t0, time.perf_counter(), a))
+            # the span is the work, not the wait for the neighbour: that wait is the bubble
+            rec.spans.append((self._t_ready or t0, time.perf_counter(), a))
             alive += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
             rec.peak_in_flight = max(rec.peak_in_flight, alive)
         for work in self.sends:  # every isend must complete before its buffer is reused
@@ -131,6 +133,7 @@ class PipelineRunner:
         else:  # (B_mb, T, C) activations from the previous stage
             x = self._hidden()
             dist.irecv(x, src=self._rank_of(stage - 1), tag=self._tag(mb, stage, False)).wait()
+            self._t_ready = time.perf_counter()
             x.requires_grad_()
         out = model(x)
         self.inputs[(mb, chunk)] = x
@@ -153,6 +156,7 @@ class PipelineRunner:
             return None  # the loss: backward starts here
         g = self._hidden()
         dist.irecv(g, src=self._rank_of(stage + 1), tag=self._tag(mb, stage, True)).wait()
+        self._t_ready = time.perf_counter()
         return g
 
     def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:

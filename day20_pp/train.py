@@ -1,0 +1,252 @@
+"""Day 20: train the shared GPT with a pipeline schedule (and data parallelism beside it).
+
+CPU (gloo), ~10-20 s:
+    torchrun --standalone --nproc_per_node=2 -m day20_pp.train --schedule=1f1b --pp=2
+    torchrun --standalone --nproc_per_node=2 -m day20_pp.train --schedule=interleaved --chunks=2
+    torchrun --standalone --nproc_per_node=4 -m day20_pp.train --schedule=zb --pp=4
+    torchrun --standalone --nproc_per_node=4 -m day20_pp.train --pp=2          # PP 2 x DP 2
+GPUs (NCCL): torchrun --standalone --nproc_per_node=gpu -m day20_pp.train --pp=2 \
+                 --config day20_pp/gpu.toml
+
+Environment: OMP_NUM_THREADS=1 (torchrun's default; ranks share 2 cores here).
+
+The grid is ParallelGrid(pp, dp = world / pp). Each step runs this rank's action list from
+schedules.py through pipeline.PipelineRunner, then averages gradients over the DP group and
+steps AdamW. It prints the loss, the step time, the measured idle fraction beside the formula's
+bubble and the peak number of micro-batches holding activations; at the end it draws the ideal
+and the measured timeline (timeline.png) and compares with one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from day20_pp import schedules, timeline
+from day20_pp.pipeline import (
+    PipelineError,
+    PipelineRunner,
+    build_stages,
+    check_pipeline,
+    stage_parameters,
+)
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.dist import ParallelGrid
+from dtl.metrics import StepLogger
+from dtl.model import GPT, PRESETS, preset
+from dtl.testing import reference_train
+
+
+@dataclass
+class Config:
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb
+    pp: int = 2  # pipeline stages (ranks per pipeline; Megatron's pipeline_model_parallel_size)
+    chunks: int = 1  # model chunks per rank (interleaved: Megatron's virtual pipeline size)
+    microbatches: int = 8  # micro-batches per step (m)
+    micro_batch_size: int = 2  # sequences per micro-batch
+    model: str = "small"  # GPT preset (`small` has 4 layers: pp x chunks must divide it)
+    seq_len: int = 64  # tokens per sequence
+    steps: int = 4  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate
+    check: bool = True  # rank 0 trains one process on the global batch and compares
+    seed: int = 0  # model init and batches
+    out_dir: str = ""  # where the run writes; empty: outputs/day20_pp/<schedule>-pp<pp>
+
+    def validate(self) -> None:
+        self.out_dir = self.out_dir or f"outputs/day20_pp/{self.schedule}-pp{self.pp}"
+        err = dtl_config.ConfigError
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        if world % self.pp:
+            raise err(f"pp {self.pp} does not divide the world size {world}")
+        try:
+            schedules.make(self.schedule, self.pp, self.microbatches, self.chunks)
+            check_pipeline(preset(self.model), self.pp, self.chunks)
+        except (schedules.ScheduleError, PipelineError) as e:
+            raise err(str(e)) from None
+        if self.seq_len > preset(self.model).block_size:
+            raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
+
+
+def micro_batches(tokens, cfg: Config, step: int, grid, device):
+    rows = cfg.micro_batch_size * cfg.microbatches
+    x, y = get_batch(
+        tokens,
+        cfg.seq_len,
+        rows,
+        seed=cfg.seed,
+        step=step,
+        dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+    )
+    b = cfg.micro_batch_size
+    return [
+        (x[i * b : (i + 1) * b].to(device), y[i * b : (i + 1) * b].to(device))
+        for i in range(cfg.microbatches)
+    ]
+
+
+def average_over_dp(params, grid) -> None:
+    """Data parallelism beside the pipeline: every stage's gradients averaged over its DP group."""
+    if grid.dp_size == 1:
+        return
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=grid.dp_group)
+            p.grad /= grid.dp_size
+
+
+def run(cfg: Config, info, grid) -> dict:
+    mcfg = preset(cfg.model)
+    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    stages = [s.to(info.device) for s in build_stages(mcfg, grid, cfg.chunks, cfg.seed)]
+    params = list(stage_parameters(stages).values())
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    runner = PipelineRunner(stages, grid, mcfg, (cfg.micro_batch_size, cfg.seq_len))
+    actions = schedules.make(cfg.schedule, grid.pp_size, cfg.microbatches, cfg.chunks)
+    log = StepLogger(
+        cfg.out_dir,
+        cfg.steps,
+        tokens_per_step=cfg.micro_batch_size * cfg.microbatches * cfg.seq_len * grid.dp_size,
+    )
+    losses, idle, peaks, record = [], [], [], None
+    for step in range(cfg.steps):
+        batches = micro_batches(corpus.train, cfg, step, grid, info.device)
+        dist.barrier()  # every rank starts the step together: idle time is the schedule's
+        t0 = time.perf_counter()
+        loss, record = runner.step(actions[grid.pp_rank], batches)
+        dt = time.perf_counter() - t0
+        average_over_dp(params, grid)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_loss_everywhere(loss, grid, info.device))
+        idle.append(1 - sum(e - s for s, e, _ in record.spans) / dt)
+        peaks.append(record.peak_in_flight)
+        log.log(
+            step,
+            loss=losses[-1],
+            dt_s=dt,
+            idle=f"{_mean_over_world(idle[-1]):.0%}",
+            in_flight=record.peak_in_flight,
+        )
+    log.close()
+    return dict(
+        stages=stages,
+        losses=losses,
+        idle=idle,
+        peak=max(peaks),
+        record=record,
+        corpus=corpus,
+        actions=actions,
+    )
+
+
+def _loss_everywhere(loss, grid, device) -> float:
+    """The loss lives on the last stage: an all-reduce over the pipeline (0 elsewhere) and the
+    mean over DP replicas puts it on every rank."""
+    t = torch.tensor([loss or 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / grid.dp_size
+
+
+def _mean_over_world(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def report(cfg: Config, info, grid, result: dict) -> bool:
+    p, m, v = grid.pp_size, cfg.microbatches, cfg.chunks
+    ideal = schedules.simulate(result["actions"], v=v)
+    formula = schedules.bubble_formula(cfg.schedule, p, m, v)
+    measured_idle = _mean_over_world(sum(result["idle"][1:]) / max(1, len(result["idle"]) - 1))
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, result["peak"])
+    mine = grid.ranks_along("pp")  # this rank's pipeline, stage by stage
+    peaks = [peaks[r] for r in mine]
+    dtl_dist.print0(
+        f"bubble: formula {formula:.3f}; from the action lists (unit costs) {ideal.bubble:.3f}; "
+        f"measured idle {measured_idle:.3f} (mean over ranks and steps after the first; host "
+        "clock, real stage costs, not the formula's F/B ratio)"
+    )
+    dtl_dist.print0(
+        f"peak micro-batches holding activations per rank: measured {peaks[:p]}, from the "
+        f"lists {ideal.peak_in_flight()}"
+    )
+    spans = [None] * dist.get_world_size()
+    dist.all_gather_object(spans, result["record"].spans)
+    if info.is_main:
+        path = os.path.join(cfg.out_dir, "timeline.png")
+        timeline.save_pair(
+            ideal.spans,
+            spans[:p],
+            f"{cfg.schedule}, p={p}, m={m}, v={v}: ideal (from the action lists), bubble "
+            f"{ideal.bubble:.1%} (formula {formula:.1%})",
+            f"measured, last step: idle {measured_idle:.1%}",
+            path,
+        )
+        print(f"timeline: {path}", flush=True)
+    verdict = _compare(cfg, info, grid, result)
+    dtl_dist.print0(
+        f"summary: day20 schedule={cfg.schedule} pp={p} dp={grid.dp_size} m={m} v={v}: "
+        f"{verdict}; bubble formula {formula:.3f} = lists {ideal.bubble:.3f}; peak in flight "
+        f"{max(peaks)} (lists {max(ideal.peak_in_flight())})"
+    )
+    return "NO" not in verdict and peaks == ideal.peak_in_flight()
+
+
+def _compare(cfg: Config, info, grid, result) -> str:
+    if not cfg.check:
+        return "one-process check skipped (check=false)"
+    mine = {n: p.detach().cpu() for n, p in stage_parameters(result["stages"]).items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    verdict = torch.zeros(3, dtype=torch.float64)
+    if info.is_main:
+        dense = GPT(preset(cfg.model), seed=cfg.seed)
+        opt = torch.optim.AdamW(dense.parameters(), lr=cfg.lr)
+        rows = cfg.micro_batch_size * cfg.microbatches * grid.dp_size
+
+        def batch(step):
+            return get_batch(result["corpus"].train, cfg.seq_len, rows, seed=cfg.seed, step=step)
+
+        ref = reference_train(dense, batch, opt, cfg.steps)
+        full = {}
+        for part in gathered:
+            full.update(part)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref))
+        ref_params = dict(dense.named_parameters(remove_duplicate=False))
+        gap = max(
+            (full[n].double() - ref_params[n].detach().double()).abs().max().item() for n in full
+        )
+        verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
+    dist.broadcast(verdict, src=0)
+    rel, gap, ok = verdict.tolist()
+    return (
+        f"losses match one process {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, rtol "
+        f"1e-5; params max |diff| {gap:.1e} after {cfg.steps} AdamW steps)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    grid = ParallelGrid(pp=cfg.pp, dp=info.world_size // cfg.pp)
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    dtl_dist.print0(f"grid: {grid}")
+    result = run(cfg, info, grid)
+    ok = report(cfg, info, grid, result)
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

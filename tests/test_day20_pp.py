@@ -1,0 +1,235 @@
+"""Day 20: pipeline schedules (pure action lists) and the runtime that runs them, vs one process.
+
+Reference: the whole GPT (seed 0) in one process on all micro-batches at once; the pipeline's
+loss is the mean of the micro-batch losses, the same number for equal-sized micro-batches.
+Tolerances: loss rtol 1e-6, gradients rtol 1e-5 atol 1e-7 (fp32, the same sums in another
+order), parameters after SGD steps atol 1e-6.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from day20_pp import schedules
+from day20_pp.pipeline import (
+    PipelineError,
+    PipelineRunner,
+    build_stages,
+    check_pipeline,
+    stage_parameters,
+)
+from dtl.dist import ParallelGrid
+from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.testing import run_distributed
+
+CFG = GPTConfig(n_layer=8, n_head=2, n_embd=16, block_size=16, vocab_size=64, bias=False)
+B, T, M, K = 2, 8, 4, 2
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+
+
+# --- the action lists, without any model --------------------------------------------------------
+
+
+def _cases():
+    for p in range(2, 9):
+        for m in range(p, 4 * p + 1):
+            yield p, m
+
+
+def test_every_schedule_is_complete_ordered_deadlock_free_and_has_the_formula_bubble():
+    for p, m in _cases():
+        for name, v in RUNS:
+            if name == "interleaved" and m % p:
+                continue
+            sched = schedules.make(name, p, m, v)
+            tl = schedules.simulate(sched, v=v)  # raises Deadlock if the lists wait on each other
+            for r, acts in enumerate(sched):
+                seen = {}
+                for i, a in enumerate(acts):
+                    seen.setdefault((a.kind, a.chunk, a.mb), []).append(i)
+                for c in range(v):
+                    for mb in range(m):
+                        (f,) = seen[("F", c, mb)]  # exactly one forward per micro-batch
+                        backs = [
+                            k for k in ("B", "I", "W") if ("B" if k == "B" else k, c, mb) in seen
+                        ]
+                        assert backs in (["B"], ["I", "W"]), (name, p, m, r, c, mb, backs)
+                        assert all(f < i for k in backs for i in seen[(k, c, mb)])
+            assert tl.bubble == pytest.approx(schedules.bubble_formula(name, p, m, v), abs=1e-12), (
+                name,
+                p,
+                m,
+            )
+
+
+def test_peak_micro_batches_holding_activations():
+    for p, m in _cases():
+        assert schedules.simulate(schedules.gpipe(p, m)).peak_in_flight() == [m] * p
+        assert schedules.simulate(schedules.one_f_one_b(p, m)).peak_in_flight() == [
+            min(p - r, m) for r in range(p)
+        ]
+        assert max(schedules.simulate(schedules.zero_bubble(p, m)).peak_in_flight()) <= p
+
+
+def test_a_wrong_schedule_is_caught_as_a_deadlock():
+    sched = schedules.one_f_one_b(2, 2)
+    sched[1] = [schedules.Action("B", 0), schedules.Action("F", 0), *sched[1][2:]]  # B before F
+    with pytest.raises(schedules.Deadlock, match="no rank can proceed"):
+        schedules.simulate(sched)
+
+
+def test_ascii_timeline_shows_every_action():
+    tl = schedules.simulate(schedules.one_f_one_b(2, 2))
+    text = schedules.ascii_timeline(tl)
+    assert text.count("F0") == 2 and text.count("B1") == 4  # B costs 2 units: 2 cells x 2 ranks
+
+
+# --- the runtime on real stages -----------------------------------------------------------------
+
+
+def _micro_batches(step, dp_rank=0, dp_size=1):
+    g = torch.Generator().manual_seed(10 + step)
+    rows = torch.randint(0, CFG.vocab_size, (B * M * dp_size, T + 1), generator=g)
+    mine = rows[dp_rank * B * M : (dp_rank + 1) * B * M]
+    return [(mine[i * B : (i + 1) * B, :-1], mine[i * B : (i + 1) * B, 1:]) for i in range(M)]
+
+
+def _pipeline_runs(pp, dp):
+    """Each schedule: one step's loss and gradients, then (1F1B) K SGD steps' parameters."""
+    grid = ParallelGrid(pp=pp, dp=dp)
+    out = {}
+    for name, v in RUNS:
+        stages = build_stages(CFG, grid, v)
+        runner = PipelineRunner(stages, grid, CFG, (B, T))
+        actions = schedules.make(name, pp, M, v)[grid.pp_rank]
+        params = stage_parameters(stages)
+        opt = torch.optim.SGD(list(params.values()), lr=0.5)
+        losses, grads, peak = [], None, None
+        for step in range(K):
+            loss, rec = runner.step(actions, _micro_batches(step, grid.dp_rank, dp))
+            for p in params.values():  # DP beside the pipeline: average over the replicas
+                dist.all_reduce(p.grad, group=grid.dp_group)
+                p.grad /= dp
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in params.items()}
+                peak = rec.peak_in_flight
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        out[name] = dict(
+            losses=losses,
+            grads=grads,
+            peak=peak,
+            params={n: p.detach().clone() for n, p in params.items()},
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2dp2"])
+def runs(request):
+    pp, dp = request.param
+    return pp, dp, run_distributed(_pipeline_runs, pp, dp, world_size=pp * dp, timeout_s=240)
+
+
+def _reference(dp):
+    gpt = GPT(CFG, seed=0)
+    opt = torch.optim.SGD(gpt.parameters(), lr=0.5)
+    losses, grads = [], None
+    for step in range(K):
+        batches = [b for r in range(dp) for b in _micro_batches(step, r, dp)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        loss = loss_fn(gpt(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in gpt.named_parameters(remove_duplicate=False)}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach() for n, p in gpt.named_parameters(remove_duplicate=False)}
+    return losses, grads, params
+
+
+def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs):
+    pp, dp, ranks = runs
+    ref_losses, ref_grads, ref_params = _reference(dp)
+    for name, _ in RUNS:
+        grads, params = {}, {}
+        for res in ranks:
+            grads.update(res[name]["grads"])
+            params.update(res[name]["params"])
+        last = [res[name]["losses"] for res in ranks if res[name]["losses"][0] is not None]
+        for losses in last:  # the last stage of every DP replica: its own micro-batches
+            if dp == 1:
+                torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+        assert grads.keys() == ref_grads.keys(), name  # lm_head: the last stage's tied copy
+        for n in ref_grads:
+            torch.testing.assert_close(
+                grads[n], ref_grads[n], **GRAD_TOL, msg=lambda m, n=n, s=name: f"{s} {n}: {m}"
+            )
+            torch.testing.assert_close(
+                params[n],
+                ref_params[n],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, n=n, s=name: f"{s} {n}: {m}",
+            )
+
+
+def test_the_runtime_counts_the_in_flight_micro_batches_the_lists_promise(runs):
+    pp, dp, ranks = runs
+    first_pipeline = ranks[::dp]  # ranks 0, dp, 2dp, ...: stages 0..pp-1 of DP replica 0
+    for name, v in RUNS:
+        want = schedules.simulate(schedules.make(name, pp, M, v), v=v).peak_in_flight()
+        got = [res[name]["peak"] for res in first_pipeline]
+        assert got == want, (name, got, want)
+        if name == "gpipe":
+            assert got == [M] * pp
+        if name == "1f1b":
+            assert max(got) <= pp
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_sizes_a_pipeline_cannot_take_are_one_line_errors():
+    for call, pattern in (
+        (lambda: check_pipeline(CFG, 16), "16 stages .* only 8 layers"),
+        (lambda: check_pipeline(CFG, 3), "n_layer 8 is not divisible by pp 3"),
+        (lambda: check_pipeline(CFG, 2, 3), "pp 2 x chunks 3"),
+    ):
+        with pytest.raises(PipelineError, match=pattern) as info:
+            call()
+        assert "\n" not in str(info.value)
+    with pytest.raises(schedules.ScheduleError, match="multiple of p=4"):
+        schedules.make("interleaved", 4, 6, 2)
+    with pytest.raises(schedules.ScheduleError, match="unknown schedule"):
+        schedules.make("pipedream", 2, 4)
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--pp=3"], "4", "pp 3 does not divide the world size 4"),
+        (["--pp=8"], "8", "8 stages (pp 8 x chunks 1) but only 4 layers"),
+        (["--schedule=interleaved", "--chunks=2", "--microbatches=3"], "2", "multiple of p=2"),
+        (["--schedule=1f1b", "--chunks=2"], "2", "for the interleaved schedule only"),
+    ],
+)
+def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, message):
+    env = {**os.environ, "WORLD_SIZE": world}
+    proc = subprocess.run(
+        [sys.executable, "-m", "day20_pp.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
