@@ -130,10 +130,58 @@ def _pipeline_runs(pp, dp):
     return out
 
 
+def _torch_pipelining(pp):
+    """The same stages through torch.distributed.pipelining; the tied embedding's two copies
+    summed by hand (torch's schedules do not know the tie). scale_grads (the default) divides
+    by the number of micro-batches: the mean, as our runtime's loss / m."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    grid = ParallelGrid(pp=pp)
+    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in _micro_batches(0)])
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # its shape checks want strides
+    out = {}
+    for name, v, cls in (
+        ("gpipe", 1, ScheduleGPipe),
+        ("1f1b", 1, Schedule1F1B),
+        ("interleaved", 2, ScheduleInterleaved1F1B),
+    ):
+        stages = build_stages(CFG, grid, v)
+        pstages = []
+        for c, mod in enumerate(stages):
+            index = c * pp + grid.pp_rank
+            example = (
+                torch.zeros(B, T, dtype=torch.long) if index == 0 else torch.zeros(B, T, CFG.n_embd)
+            )
+            pstages.append(
+                PipelineStage(mod, index, pp * v, torch.device("cpu"), input_args=(example,))
+            )
+        sched = cls(pstages if v > 1 else pstages[0], M, loss_fn=loss_fn)
+        first = any(s.is_first for s in pstages)
+        last = any(s.is_last for s in pstages)
+        sched.step(*((x,) if first else ()), **(dict(target=y) if last else {}))
+        tied = stages[0].wte if stages[0].wte is not None else stages[-1].lm_head
+        if tied is not None:
+            dist.all_reduce(tied.weight.grad, group=grid.embedding_group)
+        out[name] = {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
+    return out
+
+
+def _all_runs(pp, dp):
+    out = _pipeline_runs(pp, dp)
+    if dp == 1:
+        out["torch"] = _torch_pipelining(pp)
+    return out
+
+
 @pytest.fixture(scope="module", params=[(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2dp2"])
 def runs(request):
     pp, dp = request.param
-    return pp, dp, run_distributed(_pipeline_runs, pp, dp, world_size=pp * dp, timeout_s=240)
+    return pp, dp, run_distributed(_all_runs, pp, dp, world_size=pp * dp, timeout_s=240)
 
 
 def _reference(dp):
@@ -178,6 +226,21 @@ def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs
                 rtol=1e-5,
                 atol=1e-6,
                 msg=lambda m, n=n, s=name: f"{s} {n}: {m}",
+            )
+
+
+@pytest.mark.parametrize("runs", [(2, 1), (4, 1)], ids=["pp2", "pp4"], indirect=True)
+def test_torch_pipelining_schedules_give_the_same_gradients_as_ours(runs):
+    pp, dp, ranks = runs
+    for name in ("gpipe", "1f1b", "interleaved"):
+        theirs, ours = {}, {}
+        for res in ranks:
+            theirs.update(res["torch"][name])
+            ours.update(res[name]["grads"])
+        assert theirs.keys() == ours.keys()
+        for n in ours:
+            torch.testing.assert_close(
+                theirs[n], ours[n], **GRAD_TOL, msg=lambda m, n=n, s=name: f"{s} {n}: {m}"
             )
 
 
