@@ -52,14 +52,15 @@ class Config:
     lr: float = 1e-3  # AdamW learning rate
     check: bool = True  # rank 0 trains the dense model in one process and compares
     seed: int = 0  # model init and batches
-    out_dir: str = ""  # where the run writes; empty: outputs/day19_tp/tp<tp>
+    out_dir: str = ""  # where the run writes; empty: outputs/day19_tp/tp<tp>-dp<dp>
 
     def validate(self) -> None:
-        self.out_dir = self.out_dir or f"outputs/day19_tp/tp{self.tp}"
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        dp = world // self.tp if self.tp > 0 and world % self.tp == 0 else 0
+        self.out_dir = self.out_dir or f"outputs/day19_tp/tp{self.tp}-dp{dp}"
         err = dtl_config.ConfigError
         if self.model not in PRESETS:
             raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
         if world % self.tp:
             raise err(f"tp {self.tp} does not divide the world size {world}")
         try:

@@ -95,7 +95,7 @@ class FixedCostStage(nn.Module):
 
     def forward(self, x):
         if self.first:
-            x = self.h0.expand(*x.shape, self.width)
+            x = self.h0.expand(*x.shape, self.width)  # on the weight's device
         y = _Path.apply(x, self.t, self.t)
         return y + _WeightPath.apply(self.w, self.t)  # the W path: reached only for weights
 
@@ -107,13 +107,13 @@ def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
     width = 8
     gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
     stages = [
-        FixedCostStage(width, cfg.t_f_ms / 1e3, first=(c * p + grid.pp_rank == 0)) for c in range(v)
+        FixedCostStage(width, cfg.t_f_ms / 1e3, first=(c * p + grid.pp_rank == 0)).to(device)
+        for c in range(v)
     ]
     runner = PipelineRunner(stages, grid, gcfg, (1, 4))
     actions = schedules.make(name, p, cfg.microbatches, v)[grid.pp_rank]
     batches = [
-        (torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
-        for _ in range(cfg.microbatches)
+        (torch.zeros(1, 4, dtype=torch.long, device=device),) * 2 for _ in range(cfg.microbatches)
     ]
     for _ in range(cfg.steps):
         dist.barrier()
@@ -177,7 +177,9 @@ def run_small(cfg: Config, info) -> list[dict]:
         x = (
             batches[0][0]
             if grid.pp_rank == 0
-            else torch.randn(rows_in, cfg.seq_len, mcfg.n_embd, requires_grad=True)
+            else torch.randn(
+                rows_in, cfg.seq_len, mcfg.n_embd, device=info.device, requires_grad=True
+            )
         )
         per_mb = sum(saved_activation_bytes(s, x)[0] if c == 0 else 0 for c, s in enumerate(stages))
         peaks = [None] * info.world_size

@@ -41,6 +41,8 @@ class PipelineError(ValueError):
 
 
 def check_pipeline(cfg: GPTConfig, p: int, v: int = 1) -> None:
+    if v > 1 and p < 2:
+        raise PipelineError(f"{v} model chunks need pp >= 2 (one rank would send to itself)")
     if cfg.n_layer < p * v:
         raise PipelineError(f"{p * v} stages (pp {p} x chunks {v}) but only {cfg.n_layer} layers")
     if cfg.n_layer % (p * v):
@@ -82,6 +84,7 @@ class PipelineRunner:
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
         self.n_stages = self.p * self.v
         self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
+        self.device = next(p for s in stages for p in s.parameters()).device  # recv buffers
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
 
     # --- where things live --------------------------------------------------------------------
@@ -97,7 +100,7 @@ class PipelineRunner:
 
     def _hidden(self) -> torch.Tensor:
         b, t = self.micro_shape
-        return torch.empty(b, t, self.cfg.n_embd)
+        return torch.empty(b, t, self.cfg.n_embd, device=self.device)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -202,6 +205,65 @@ class PipelineRunner:
             weight = last.lm_head.weight
         if weight is not None:
             dist.all_reduce(weight.grad, group=self.grid.embedding_group)
+
+
+class Pipeline:
+    """What apply_pp returns: this rank's stages, its action list and the runner."""
+
+    def __init__(
+        self,
+        stages,
+        grid,
+        cfg: GPTConfig,
+        schedule: str,
+        microbatches: int,
+        micro_shape: tuple[int, int],
+    ):
+        from day20_pp import schedules
+
+        self.stages, self.grid = stages, grid
+        self.actions = schedules.make(schedule, grid.pp_size, microbatches, len(stages))[
+            grid.pp_rank
+        ]
+        self.runner = PipelineRunner(stages, grid, cfg, micro_shape)
+
+    def parameters(self):
+        return list(stage_parameters(self.stages).values())
+
+    def step(self, micro_batches):
+        """Forward and backward of every micro-batch by the schedule; grads in the stages."""
+        return self.runner.step(self.actions, micro_batches)
+
+
+def apply_pp(
+    model: GPT,
+    grid,
+    schedule: str,
+    microbatches: int,
+    micro_shape: tuple[int, int],
+    chunks: int = 1,
+) -> Pipeline:
+    """Split `model` (the one-process GPT, possibly already TP-sharded) into this rank's
+    `chunks` stages of grid.pp_size x chunks, by deep copies of it with the other blocks
+    deleted; returns the Pipeline that runs `schedule`. The model itself is left untouched."""
+    import copy
+
+    cfg, p = model.cfg, grid.pp_size
+    check_pipeline(cfg, p, chunks)
+    n_stages, per = p * chunks, cfg.n_layer // (p * chunks)
+    stages = []
+    for c in range(chunks):
+        s = c * p + grid.pp_rank
+        stage = copy.deepcopy(model)
+        keep = {str(i) for i in range(s * per, (s + 1) * per)}
+        for name in [k for k in stage.blocks if k not in keep]:
+            del stage.blocks[name]
+        if s > 0:
+            stage.wte = stage.wpe = None
+        if s < n_stages - 1:
+            stage.ln_f = stage.lm_head = None
+        stages.append(stage)
+    return Pipeline(stages, grid, cfg, schedule, microbatches, micro_shape)
 
 
 def stage_parameters(stages: list[GPT]) -> dict[str, nn.Parameter]:

@@ -255,3 +255,24 @@ def ascii_timeline(tl: Timeline, unit: float = 1.0) -> str:
                 cells[c] = label
         rows.append(f"rank {r} |" + "".join(cells) + "|")
     return "\n".join(rows)
+
+
+def message_orders(schedule: Schedule, v: int = 1) -> dict[tuple[int, int], tuple[list, list]]:
+    """For every (sender, receiver) rank pair: the messages in the order the sender posts them
+    and in the order the receiver waits for them. NCCL ignores p2p tags and matches messages
+    between two ranks by order alone, so the two lists must be equal (gloo matches by tag)."""
+    p = len(schedule)
+    n_stages = p * v
+    out: dict[tuple[int, int], tuple[list, list]] = {}
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            stage = a.chunk * p + r
+            if a.kind == "F" and stage < n_stages - 1:  # activation to the next stage
+                out.setdefault((r, (stage + 1) % p), ([], []))[0].append(("act", stage + 1, a.mb))
+            if a.kind == "F" and stage > 0:
+                out.setdefault(((stage - 1) % p, r), ([], []))[1].append(("act", stage, a.mb))
+            if a.kind in ("B", "I") and stage > 0:  # input gradient to the previous stage
+                out.setdefault((r, (stage - 1) % p), ([], []))[0].append(("grad", stage - 1, a.mb))
+            if a.kind in ("B", "I") and stage < n_stages - 1:
+                out.setdefault(((stage + 1) % p, r), ([], []))[1].append(("grad", stage, a.mb))
+    return out

@@ -56,14 +56,15 @@ class Config:
     lr: float = 1e-3  # AdamW learning rate
     check: bool = True  # rank 0 trains one process on the global batch and compares
     seed: int = 0  # model init and batches
-    out_dir: str = ""  # where the run writes; empty: outputs/day20_pp/<schedule>-pp<pp>
+    out_dir: str = ""  # where the run writes; empty: outputs/day20_pp/<schedule>-pp<pp>-dp<dp>
 
     def validate(self) -> None:
-        self.out_dir = self.out_dir or f"outputs/day20_pp/{self.schedule}-pp{self.pp}"
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        dp = world // self.pp if self.pp > 0 and world % self.pp == 0 else 0
+        self.out_dir = self.out_dir or f"outputs/day20_pp/{self.schedule}-pp{self.pp}-dp{dp}"
         err = dtl_config.ConfigError
         if self.model not in PRESETS:
             raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
         if world % self.pp:
             raise err(f"pp {self.pp} does not divide the world size {world}")
         try:
@@ -157,7 +158,8 @@ def _loss_everywhere(loss, grid, device) -> float:
 
 
 def _mean_over_world(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 

@@ -18,6 +18,7 @@ from day20_pp import schedules
 from day20_pp.pipeline import (
     PipelineError,
     PipelineRunner,
+    apply_pp,
     build_stages,
     check_pipeline,
     stage_parameters,
@@ -65,6 +66,18 @@ def test_every_schedule_is_complete_ordered_deadlock_free_and_has_the_formula_bu
                 p,
                 m,
             )
+
+
+def test_between_any_two_ranks_messages_are_received_in_the_order_they_are_sent():
+    """What NCCL needs (it ignores tags): true for all four schedules, p 2..8, m p..4p."""
+    for p, m in _cases():
+        for name, v in RUNS:
+            if name == "interleaved" and m % p:
+                continue
+            for pair, (sent, received) in schedules.message_orders(
+                schedules.make(name, p, m, v), v
+            ).items():
+                assert sent == received, (name, p, m, pair)
 
 
 def test_peak_micro_batches_holding_activations():
@@ -127,6 +140,13 @@ def _pipeline_runs(pp, dp):
             peak=peak,
             params={n: p.detach().clone() for n, p in params.items()},
         )
+    # apply_pp (what day 22 composes) on an existing model: the same first-step gradients
+    pipe = apply_pp(GPT(CFG, seed=0), grid, "1f1b", M, (B, T))
+    pipe.step(_micro_batches(0, grid.dp_rank, dp))
+    for p in pipe.parameters():
+        dist.all_reduce(p.grad, group=grid.dp_group)
+        p.grad /= dp
+    out["apply_pp"] = {n: p.grad.clone() for n, p in stage_parameters(pipe.stages).items()}
     return out
 
 
@@ -244,6 +264,13 @@ def test_torch_pipelining_schedules_give_the_same_gradients_as_ours(runs):
             )
 
 
+def test_apply_pp_on_an_existing_model_gives_the_same_gradients(runs):
+    _, _, ranks = runs
+    for res in ranks:
+        for n, g in res["apply_pp"].items():
+            torch.testing.assert_close(g, res["1f1b"]["grads"][n], rtol=0, atol=0)
+
+
 def test_the_runtime_counts_the_in_flight_micro_batches_the_lists_promise(runs):
     pp, dp, ranks = runs
     first_pipeline = ranks[::dp]  # ranks 0, dp, 2dp, ...: stages 0..pp-1 of DP replica 0
@@ -265,6 +292,7 @@ def test_sizes_a_pipeline_cannot_take_are_one_line_errors():
         (lambda: check_pipeline(CFG, 16), "16 stages .* only 8 layers"),
         (lambda: check_pipeline(CFG, 3), "n_layer 8 is not divisible by pp 3"),
         (lambda: check_pipeline(CFG, 2, 3), "pp 2 x chunks 3"),
+        (lambda: check_pipeline(CFG, 1, 2), "need pp >= 2"),
     ):
         with pytest.raises(PipelineError, match=pattern) as info:
             call()
