@@ -293,7 +293,8 @@ def _compare_with_one_process(cfg: Config, info, result) -> str:
             for k, v in ref_params.items()
         )
         verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
-    torch.distributed.broadcast(verdict.to(info.device), src=0)
+    verdict = verdict.to(info.device)  # NCCL needs it on the GPU; every rank reads this copy
+    torch.distributed.broadcast(verdict, src=0)
     rel, gap, ok = verdict.tolist()
     return (
         f"losses match one process {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, "

@@ -76,6 +76,8 @@ class Config:
     out_dir: str = "outputs/day19_tp"  # layout.png goes here
 
     def validate(self) -> None:
+        if self.tp < 1:
+            raise dtl_config.ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.n_head % self.tp or self.n_embd % self.n_head:
             raise dtl_config.ConfigError(
                 f"n_head {self.n_head} must divide by tp {self.tp} and n_embd {self.n_embd} "

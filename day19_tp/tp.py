@@ -159,7 +159,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = target - lo
         mine = (local_target >= 0) & (local_target < n_local) & ~ignored
         idx = local_target.clamp(0, n_local - 1)
-        target_logit = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        # where(), not * mine: a clamped index may land on a padded column (-inf), and -inf * 0
+        target_logit = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
         dist.all_reduce(target_logit, group=group)
         # 3. the softmax denominator: sum of exp over my columns -> all-reduce SUM, (N,)
         exp = z.exp()
@@ -235,6 +236,7 @@ def apply_tp(model: GPT, grid, *, pad_vocab: bool = False) -> GPT:
             new = RowParallelLinear(
                 module.in_features, module.out_features, group, bias=module.bias is not None
             )
+        new = new.to(device=module.weight.device, dtype=module.weight.dtype)
         new.weight.copy_(shard_tensor(module.weight, shard, False, r, t))
         if module.bias is not None:
             new.bias.copy_(shard_tensor(module.bias, shard, True, r, t))
@@ -247,14 +249,15 @@ def apply_tp(model: GPT, grid, *, pad_vocab: bool = False) -> GPT:
 
 def _apply_vocab_parallel(model: GPT, group, r: int, t: int, padded: int) -> None:
     cfg = model.cfg
-    full = torch.zeros(padded, cfg.n_embd)  # padding rows are zeros and stay zeros
+    like = dict(device=model.wte.weight.device, dtype=model.wte.weight.dtype)
+    full = torch.zeros(padded, cfg.n_embd, **like)  # padding rows are zeros and stay zeros
     full[: cfg.vocab_size] = model.wte.weight
-    wte = VocabParallelEmbedding(padded, cfg.n_embd, group)
+    wte = VocabParallelEmbedding(padded, cfg.n_embd, group).to(**like)
     wte.weight.copy_(full[wte.lo : wte.hi])
     if cfg.tie_weights:
         head_weight = wte.weight  # one Parameter: the tie survives, rank by rank
     else:
-        head_full = torch.zeros(padded, cfg.n_embd)
+        head_full = torch.zeros(padded, cfg.n_embd, **like)
         head_full[: cfg.vocab_size] = model.lm_head.weight
         head_weight = nn.Parameter(head_full[wte.lo : wte.hi].clone())
     model.wte = wte

@@ -55,8 +55,10 @@ class Config:
     out_dir: str = ""  # where the run writes; empty: outputs/day19_tp/tp<tp>-dp<dp>
 
     def validate(self) -> None:
+        if self.tp < 1:
+            raise dtl_config.ConfigError(f"tp must be >= 1, got {self.tp}")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
-        dp = world // self.tp if self.tp > 0 and world % self.tp == 0 else 0
+        dp = world // self.tp if world % self.tp == 0 else 0
         self.out_dir = self.out_dir or f"outputs/day19_tp/tp{self.tp}-dp{dp}"
         err = dtl_config.ConfigError
         if self.model not in PRESETS:
@@ -168,7 +170,8 @@ def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
             for n, p in dense.named_parameters()
         )
         verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
-    dist.broadcast(verdict.to(info.device), src=0)
+    verdict = verdict.to(info.device)  # NCCL needs it on the GPU; every rank reads this copy
+    dist.broadcast(verdict, src=0)
     rel, gap, ok = verdict.tolist()
     return (
         f"losses match the dense model {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, "

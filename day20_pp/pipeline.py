@@ -2,7 +2,7 @@
 
     stages = build_stages(cfg, grid, v)                 # this rank's v model chunks
     runner = PipelineRunner(stages, grid, cfg, micro_batch_shape)
-    loss = runner.step(schedule[grid.pp_rank], micro_batches)   # grads accumulated in the stages
+    loss, record = runner.step(schedule[grid.pp_rank], micro_batches)  # grads in the stages
 
 Stage s of S = p·v holds blocks [s·L/S, (s+1)·L/S) of the shared GPT (dtl.model: a stage is the
 GPT with the other blocks deleted and wte/wpe or ln_f/lm_head set to None); stage s lives on
@@ -16,9 +16,13 @@ Per action, on this rank:
               send dL/d(input) to the previous stage's rank
     I, W      B split: I computes only dL/d(input) (torch.autograd.grad, graph kept) and sends
               it; W then computes the weight gradients (torch.autograd.backward(inputs=weights))
-Sends are isend (waited at the end of the step); receives block until the data is there, so a
-valid schedule (checked by schedules.simulate) cannot deadlock. Every message has a tag made of
-(micro-batch, chunk, direction), and every buffer's shape comes from the config: no handshake.
+Sends are isend (waited at the end of the step); a receive waits until its data is there, so a
+valid schedule (checked by schedules.simulate) cannot deadlock. Activations and gradients travel
+on two process groups of the same ranks: NCCL queues every p2p operation between two ranks of a
+group on one stream, where a send can block until the peer's matching receive runs; one group per
+direction keeps each queue one-way and in the same order on both ends (schedules.message_orders,
+tested), since NCCL ignores tags. Gloo matches by tag: (micro-batch, receiving stage, direction).
+Every buffer's shape comes from the config: no handshake.
 After the last action, the tied embedding's two copies (wte on the first stage, lm_head on the
 last) get their gradients summed over the embedding group, as Megatron does.
 """
@@ -79,13 +83,16 @@ class StepRecord:
 
 
 class PipelineRunner:
-    def __init__(self, stages: list[GPT], grid, cfg: GPTConfig, micro_shape: tuple[int, int]):
-        self.stages, self.grid, self.cfg = stages, grid, cfg
+    def __init__(
+        self, stages: list[GPT], grid, cfg: GPTConfig, micro_shape: tuple[int, int], loss=loss_fn
+    ):
+        self.stages, self.grid, self.cfg, self.loss_fn = stages, grid, cfg, loss
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
         self.n_stages = self.p * self.v
         self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
         self.device = next(p for s in stages for p in s.parameters()).device  # recv buffers
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
+        self.act_group, self.grad_group = _direction_groups(grid)
 
     # --- where things live --------------------------------------------------------------------
 
@@ -135,19 +142,21 @@ class PipelineRunner:
             x = self.batches[mb][0]
         else:  # (B_mb, T, C) activations from the previous stage
             x = self._hidden()
-            dist.irecv(x, src=self._rank_of(stage - 1), tag=self._tag(mb, stage, False)).wait()
-            self._t_ready = time.perf_counter()
+            src, tag = self._rank_of(stage - 1), self._tag(mb, stage, False)
+            dist.irecv(x, src=src, group=self.act_group, tag=tag).wait()
+            self._t_ready = _arrived(x)
             x.requires_grad_()
         out = model(x)
         self.inputs[(mb, chunk)] = x
         if stage == self.n_stages - 1:
-            out = loss_fn(out, self.batches[mb][1]) / self.m  # the mean over micro-batches
+            out = self.loss_fn(out, self.batches[mb][1]) / self.m  # mean over micro-batches
             self.loss += out.item()
         else:
             self.sends.append(
                 dist.isend(
                     out.detach().contiguous(),
                     dst=self._rank_of(stage + 1),
+                    group=self.act_group,
                     tag=self._tag(mb, stage + 1, False),
                 )
             )
@@ -158,8 +167,9 @@ class PipelineRunner:
         if stage == self.n_stages - 1:
             return None  # the loss: backward starts here
         g = self._hidden()
-        dist.irecv(g, src=self._rank_of(stage + 1), tag=self._tag(mb, stage, True)).wait()
-        self._t_ready = time.perf_counter()
+        src, tag = self._rank_of(stage + 1), self._tag(mb, stage, True)
+        dist.irecv(g, src=src, group=self.grad_group, tag=tag).wait()
+        self._t_ready = _arrived(g)
         return g
 
     def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
@@ -169,6 +179,7 @@ class PipelineRunner:
                 dist.isend(
                     grad.contiguous(),
                     dst=self._rank_of(stage - 1),
+                    group=self.grad_group,
                     tag=self._tag(mb, stage - 1, True),
                 )
             )
@@ -218,6 +229,7 @@ class Pipeline:
         schedule: str,
         microbatches: int,
         micro_shape: tuple[int, int],
+        loss=loss_fn,
     ):
         from day20_pp import schedules
 
@@ -225,10 +237,10 @@ class Pipeline:
         self.actions = schedules.make(schedule, grid.pp_size, microbatches, len(stages))[
             grid.pp_rank
         ]
-        self.runner = PipelineRunner(stages, grid, cfg, micro_shape)
+        self.runner = PipelineRunner(stages, grid, cfg, micro_shape, loss)
 
     def parameters(self):
-        return list(stage_parameters(self.stages).values())
+        return unique_parameters(self.stages)
 
     def step(self, micro_batches):
         """Forward and backward of every micro-batch by the schedule; grads in the stages."""
@@ -242,10 +254,13 @@ def apply_pp(
     microbatches: int,
     micro_shape: tuple[int, int],
     chunks: int = 1,
+    loss=loss_fn,
 ) -> Pipeline:
-    """Split `model` (the one-process GPT, possibly already TP-sharded) into this rank's
-    `chunks` stages of grid.pp_size x chunks, by deep copies of it with the other blocks
-    deleted; returns the Pipeline that runs `schedule`. The model itself is left untouched."""
+    """Split `model` (the one-process GPT, or one already changed by apply_tp: pass its loss,
+    e.g. lambda logits, y: tp_loss(model, logits, y)) into this rank's `chunks` stages of
+    grid.pp_size x chunks, by deep copies with the other blocks deleted (process groups the
+    modules hold are shared, not copied); returns the Pipeline that runs `schedule`. The model
+    itself is left untouched. `micro_shape` = (B_mb, T): the shape of every micro-batch."""
     import copy
 
     cfg, p = model.cfg, grid.pp_size
@@ -254,7 +269,10 @@ def apply_pp(
     stages = []
     for c in range(chunks):
         s = c * p + grid.pp_rank
-        stage = copy.deepcopy(model)
+        shared = {id(g): g for m in model.modules() for g in [getattr(m, "group", None)] if g}
+        if hasattr(model, "tp"):
+            shared[id(model.tp)] = model.tp  # TPInfo: holds a process group, not tensors
+        stage = copy.deepcopy(model, shared)
         keep = {str(i) for i in range(s * per, (s + 1) * per)}
         for name in [k for k in stage.blocks if k not in keep]:
             del stage.blocks[name]
@@ -263,7 +281,31 @@ def apply_pp(
         if s < n_stages - 1:
             stage.ln_f = stage.lm_head = None
         stages.append(stage)
-    return Pipeline(stages, grid, cfg, schedule, microbatches, micro_shape)
+    return Pipeline(stages, grid, cfg, schedule, microbatches, micro_shape, loss)
+
+
+def _arrived(buf: torch.Tensor) -> float:
+    """The host time the received data is usable. On NCCL, wait() only orders the GPU stream:
+    synchronize, so the timeline's idle time is real."""
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+    return time.perf_counter()
+
+
+def _direction_groups(grid):
+    """Two process groups over this rank's pipeline: activations and gradients. Creating a group
+    is collective, so every rank creates the pair for every pipeline, in the same order."""
+    mine = None
+    for ranks in grid.group_ranks("pp"):
+        pair = (dist.new_group(ranks), dist.new_group(ranks))
+        if grid.rank in ranks:
+            mine = pair
+    return mine
+
+
+def unique_parameters(stages: list[GPT]) -> list[nn.Parameter]:
+    """Each parameter once (one stage holding wte and its tied lm_head has them as one)."""
+    return list({id(p): p for p in stage_parameters(stages).values()}.values())
 
 
 def stage_parameters(stages: list[GPT]) -> dict[str, nn.Parameter]:

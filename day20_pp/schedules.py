@@ -242,9 +242,9 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
 
 
 def ascii_timeline(tl: Timeline, unit: float = 1.0) -> str:
-    """One row per rank, one character cell per time unit: the action's micro-batch digit
-    (F upper-case style: 'F' rows show the mb, B as the mb in brackets...) kept readable:
-    each cell is `kind+mb` padded to 3 characters; '.' marks idle time."""
+    """One row per rank, one 3-character cell per time unit: the action's kind and micro-batch
+    (`F3`, `B0`, `I2`, `W1`; the chunk is not shown), repeated over its duration; ' . ' marks
+    idle time."""
     width = int(round(tl.makespan / unit))
     rows = []
     for r, spans in enumerate(tl.spans):

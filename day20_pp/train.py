@@ -33,6 +33,7 @@ from day20_pp.pipeline import (
     build_stages,
     check_pipeline,
     stage_parameters,
+    unique_parameters,
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -59,8 +60,12 @@ class Config:
     out_dir: str = ""  # where the run writes; empty: outputs/day20_pp/<schedule>-pp<pp>-dp<dp>
 
     def validate(self) -> None:
+        if self.pp < 1 or self.chunks < 1:
+            raise dtl_config.ConfigError(
+                f"pp and chunks must be >= 1, got {self.pp}, {self.chunks}"
+            )
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
-        dp = world // self.pp if self.pp > 0 and world % self.pp == 0 else 0
+        dp = world // self.pp if world % self.pp == 0 else 0
         self.out_dir = self.out_dir or f"outputs/day20_pp/{self.schedule}-pp{self.pp}-dp{dp}"
         err = dtl_config.ConfigError
         if self.model not in PRESETS:
@@ -108,7 +113,7 @@ def run(cfg: Config, info, grid) -> dict:
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
     stages = [s.to(info.device) for s in build_stages(mcfg, grid, cfg.chunks, cfg.seed)]
-    params = list(stage_parameters(stages).values())
+    params = unique_parameters(stages)
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     runner = PipelineRunner(stages, grid, mcfg, (cfg.micro_batch_size, cfg.seq_len))
     actions = schedules.make(cfg.schedule, grid.pp_size, cfg.microbatches, cfg.chunks)
@@ -188,7 +193,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
         path = os.path.join(cfg.out_dir, "timeline.png")
         timeline.save_pair(
             ideal.spans,
-            spans[:p],
+            [spans[r] for r in mine],
             f"{cfg.schedule}, p={p}, m={m}, v={v}: ideal (from the action lists), bubble "
             f"{ideal.bubble:.1%} (formula {formula:.1%})",
             f"measured, last step: idle {measured_idle:.1%}",
@@ -229,6 +234,7 @@ def _compare(cfg: Config, info, grid, result) -> str:
             (full[n].double() - ref_params[n].detach().double()).abs().max().item() for n in full
         )
         verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
+    verdict = verdict.to(info.device)  # NCCL needs it on the GPU; every rank reads this copy
     dist.broadcast(verdict, src=0)
     rel, gap, ok = verdict.tolist()
     return (

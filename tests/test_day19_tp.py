@@ -231,7 +231,13 @@ def test_each_parallel_layer_equals_the_dense_layer_forward_and_backward(world):
         torch.testing.assert_close(dw, dw0.chunk(tp)[r], **TOL)
         torch.testing.assert_close(db, db0.chunk(tp)[r], **TOL)
         torch.testing.assert_close(dx, dx0, **TOL)  # f's all-reduce in backward
-        torch.testing.assert_close(L["colTrue"][0], dense["colTrue"][0], **TOL)
+        # gather_output: the full output; backward keeps my slice of its gradient
+        y, dx, dw, db = L["colTrue"]
+        y0, dx0, dw0, db0 = dense["colTrue"]
+        torch.testing.assert_close(y, y0, **TOL)
+        torch.testing.assert_close(dx, dx0, **TOL)
+        torch.testing.assert_close(dw, dw0.chunk(tp)[r], **TOL)
+        torch.testing.assert_close(db, db0.chunk(tp)[r], **TOL)
         # row: the full output after g; dX my slice (or the full input's grad); dW my columns
         y0, dx0, dw0, db0 = dense["row"]
         for parallel_in in (True, False):

@@ -60,6 +60,7 @@ def test_every_schedule_is_complete_ordered_deadlock_free_and_has_the_formula_bu
                             k for k in ("B", "I", "W") if ("B" if k == "B" else k, c, mb) in seen
                         ]
                         assert backs in (["B"], ["I", "W"]), (name, p, m, r, c, mb, backs)
+                        assert all(len(seen[(k, c, mb)]) == 1 for k in backs)
                         assert all(f < i for k in backs for i in seen[(k, c, mb)])
             assert tl.bubble == pytest.approx(schedules.bubble_formula(name, p, m, v), abs=1e-12), (
                 name,
@@ -191,11 +192,39 @@ def _torch_pipelining(pp):
     return out
 
 
+def _tp_then_pp():
+    """Day 22's order on 4 ranks: apply_tp (tp 2), then apply_pp (pp 2) on the TP model; the
+    gradients re-assembled over TP must be the one-process ones."""
+    from day19_tp.tp import apply_tp, full_tensors, tp_loss
+
+    grid = ParallelGrid(pp=2, tp=2)
+    model = apply_tp(GPT(CFG, seed=0), grid)
+    pipe = apply_pp(
+        model, grid, "1f1b", M, (B, T), loss=lambda logits, y: tp_loss(model, logits, y)
+    )
+    pipe.step(_micro_batches(0))
+    out = {}
+    for stage in pipe.stages:  # each stage shares model.tp (apply_pp does not copy groups)
+        out.update(full_tensors(stage, grads=True))
+    return out
+
+
 def _all_runs(pp, dp):
     out = _pipeline_runs(pp, dp)
     if dp == 1:
         out["torch"] = _torch_pipelining(pp)
     return out
+
+
+def test_apply_tp_then_apply_pp_gives_the_one_process_gradients():
+    ranks = run_distributed(_tp_then_pp, world_size=4, timeout_s=180)
+    _, ref_grads, _ = _reference(1)
+    grads = {}
+    for res in ranks:
+        grads.update(res)
+    assert grads.keys() == ref_grads.keys()
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, **GRAD_TOL, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2dp2"])
