@@ -23,9 +23,10 @@ attention kernel actually in use, so each term can be checked against what autog
     GELU input, mlp c_proj input           8·s·b·h      yes           16sbh
     LayerNorm mean and rstd                4·s·b (fp32) no            (not in the paper: tiny)
 
-With dropout 0 the masks are not saved; the fused kernel (F.scaled_dot_product_attention, the
-flash kernel on CPU and GPU) saves its output and a logsumexp instead of the a·s² scores, which
-removes the 5as/h term, the reason long sequences are affordable.
+With dropout 0 the masks are not saved; the fused kernel (F.scaled_dot_product_attention: the
+flash kernel on this CPU; on CUDA in fp32 the memory-efficient one, not measured) saves its
+output and a logsumexp instead of the a·s² scores, which removes the 5as/h term, the reason long
+sequences are affordable.
 """
 
 from __future__ import annotations
