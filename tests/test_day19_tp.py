@@ -545,3 +545,35 @@ def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, me
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+# --- composing with day 18: TP inside, ZeRO over the data-parallel ranks -----------------------
+
+
+def _tp_then_zero(stage):
+    """apply_tp (tp 2), then day 18's apply_zero over the dp groups (dp 2): K SGD steps."""
+    from day18_zero.zero import apply_zero
+
+    grid = ParallelGrid(tp=2, dp=2)
+    gpt = apply_tp(GPT(CFG, seed=0), grid, pad_vocab=True)
+    model = apply_zero(gpt, grid, stage, lambda ps: _optimizer("sgd", ps), bucket_cap_mb=0.01)
+    for step in range(K):
+        x, y = _batch(step, grid.dp_rank, grid.dp_size)
+        model.zero_grad()
+        tp_loss(gpt, model(x), y).backward()
+        model.step()
+    full = model.full_parameters()  # this TP rank's shards, gathered over dp
+    for name, p in gpt.named_parameters():  # put them back, then re-assemble over TP
+        p.data = full[name].view(p.shape) if p.numel() else full[name]
+    return full_tensors(gpt)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_apply_tp_then_apply_zero_equals_the_dense_model(stage):
+    ranks = run_distributed(_tp_then_zero, stage, world_size=4, timeout_s=180)
+    _, _, params = _dense_run("sgd", 2)
+    for res in ranks:
+        for name, ref in params.items():
+            torch.testing.assert_close(
+                res[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
