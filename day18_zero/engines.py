@@ -77,12 +77,6 @@ def live_state_bytes(params, optimizer: torch.optim.Optimizer) -> dict[str, int]
     )
 
 
-def global_mean(value: float, group=None) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.item() / dist.get_world_size(group)
-
-
 class Trainer:
     """Drives one implementation: subclasses fill in the four hooks below."""
 
@@ -104,7 +98,7 @@ class Trainer:
 
     def step(self, micro_batches) -> float:
         """One optimizer step over the micro-batches; returns this rank's mean loss over them
-        (`global_mean` makes it the loss of the global batch; a separate, tiny all-reduce).
+        (dtl.dist.all_reduce_scalar(..., average=True) makes it the global batch's loss).
 
         The model state is counted just before the optimizer step, when all three kinds exist:
         the gradients of this step and the optimizer state of the previous ones.

@@ -167,7 +167,8 @@ def run(cfg: Config, info) -> dict:
         local = trainer.step(batches)
         dt = time.perf_counter() - t0
         comms.append(comm_of_step(counter, before))
-        loss = engines.global_mean(local)  # after the snapshot: not part of the step's traffic
+        # after the snapshot: not part of the step's traffic
+        loss = dtl_dist.all_reduce_scalar(local, average=True)
         losses.append(loss)
         sb = trainer.bytes_before_step
         log.log(

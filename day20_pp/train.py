@@ -132,14 +132,15 @@ def run(cfg: Config, info, grid) -> dict:
         average_over_dp(params, grid)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(_loss_everywhere(loss, grid, info.device))
+        # the loss lives on each replica's last stage (0.0 elsewhere): sum, then mean over DP
+        losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / grid.dp_size)
         idle.append(1 - sum(e - s for s, e, _ in record.spans) / dt)
         peaks.append(record.peak_in_flight)
         log.log(
             step,
             loss=losses[-1],
             dt_s=dt,
-            idle=f"{_mean_over_world(idle[-1]):.0%}",
+            idle=f"{dtl_dist.all_reduce_scalar(idle[-1], average=True):.0%}",
             in_flight=record.peak_in_flight,
         )
     log.close()
@@ -154,26 +155,12 @@ def run(cfg: Config, info, grid) -> dict:
     )
 
 
-def _loss_everywhere(loss, grid, device) -> float:
-    """The loss lives on the last stage: an all-reduce over the pipeline (0 elsewhere) and the
-    mean over DP replicas puts it on every rank."""
-    t = torch.tensor([loss or 0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / grid.dp_size
-
-
-def _mean_over_world(x: float) -> float:
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
 def report(cfg: Config, info, grid, result: dict) -> bool:
     p, m, v = grid.pp_size, cfg.microbatches, cfg.chunks
     ideal = schedules.simulate(result["actions"], v=v)
     formula = schedules.bubble_formula(cfg.schedule, p, m, v)
-    measured_idle = _mean_over_world(sum(result["idle"][1:]) / max(1, len(result["idle"]) - 1))
+    mean_idle = sum(result["idle"][1:]) / max(1, len(result["idle"]) - 1)
+    measured_idle = dtl_dist.all_reduce_scalar(mean_idle, average=True)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, result["peak"])
     mine = grid.ranks_along("pp")  # this rank's pipeline, stage by stage

@@ -133,6 +133,15 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
 
 
+def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
+    """Sum (or average) one Python number over `group`: a float64 tensor on the device the
+    backend needs (NCCL only reduces CUDA tensors), for losses and timings in step logs."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.item() / (dist.get_world_size(group) if average else 1)
+
+
 def exit_with_error(error: Exception | str) -> None:
     """Bad user input: one line `error: ...` on stderr (rank 0), exit code 2 on every rank."""
     if get_rank() == 0:

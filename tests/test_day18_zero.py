@@ -23,6 +23,7 @@ from day18_zero import engines, formulas
 from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
 from day18_zero.zero import ZeroError, ZeroModel, check_zero_args
 from dtl.comm import CommCounter
+from dtl.dist import all_reduce_scalar
 from dtl.model import GPT, preset
 from dtl.testing import reference_train, run_distributed
 
@@ -111,7 +112,7 @@ def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", pref
         before = dict(counter.ring_bytes)
         local = t.step(my_micro_batches(kind, step, rank, world, micro))
         comm = {k: v - before.get(k, 0) for k, v in counter.ring_bytes.items()}
-        losses.append(engines.global_mean(local))
+        losses.append(all_reduce_scalar(local, average=True))
     live = None
     if impl == "hand" and stage >= 2:
         lv = t.model.live
@@ -149,7 +150,7 @@ def _train_on_grid(counter, stage):
         loss = loss_fn(model(x), y)
         loss.backward()
         model.step()
-        losses.append(engines.global_mean(loss.item(), grid.group("dp", "cp")))
+        losses.append(all_reduce_scalar(loss.item(), grid.group("dp", "cp"), average=True))
     return dict(losses=losses, params=model.full_parameters())
 
 
