@@ -37,7 +37,7 @@ from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import reference_train
+from dtl.testing import reference_train, reference_verdict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 1e6
@@ -285,21 +285,12 @@ def _print_live_and_device_memory(t: engines.Trainer, info, formula_total: float
 def _compare_with_one_process(cfg: Config, info, result) -> str:
     if not cfg.check or cfg.dtype != "fp32":
         return "one-process check skipped" + ("" if cfg.check else " (check=false)")
-    verdict = torch.zeros(3, dtype=torch.float64)
-    if info.is_main:
-        ref_losses, ref_params = reference(cfg, info, result["corpus"])
-        rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
-        gap = max(
-            (result["params"][k].cpu().double() - v.double()).abs().max().item()
-            for k, v in ref_params.items()
-        )
-        verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
-    verdict = verdict.to(info.device)  # NCCL needs it on the GPU; every rank reads this copy
-    torch.distributed.broadcast(verdict, src=0)
-    rel, gap, ok = verdict.tolist()
-    return (
-        f"losses match one process {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, "
-        f"rtol 1e-5; params max |diff| {gap:.1e} after {cfg.steps} AdamW steps)"
+    return reference_verdict(
+        result["losses"],
+        result["params"],
+        lambda: reference(cfg, info, result["corpus"]),
+        steps=cfg.steps,
+        device=info.device,
     )
 
 

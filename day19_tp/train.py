@@ -36,7 +36,7 @@ from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import reference_train
+from dtl.testing import reference_train, reference_verdict
 
 MB = 1e6
 
@@ -154,28 +154,24 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
 def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
     if not cfg.check:
         return "dense check skipped (check=false)"
-    verdict = torch.zeros(3, dtype=torch.float64)
-    if info.is_main:
+
+    def dense_run():  # rank 0: the dense model in one process on the global batch
         dense = GPT(preset(cfg.model), seed=cfg.seed)
         opt = torch.optim.AdamW(dense.parameters(), lr=cfg.lr)
+        rows = cfg.batch_size * grid.dp_size
 
         def batch(step):
-            rows = cfg.batch_size * grid.dp_size
             return get_batch(result["corpus"].train, cfg.seq_len, rows, seed=cfg.seed, step=step)
 
-        ref = reference_train(dense, batch, opt, cfg.steps)
-        rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref))
-        gap = max(
-            (result["full"][n].cpu().double() - p.detach().double()).abs().max().item()
-            for n, p in dense.named_parameters()
-        )
-        verdict = torch.tensor([rel, gap, float(rel <= 1e-5)], dtype=torch.float64)
-    verdict = verdict.to(info.device)  # NCCL needs it on the GPU; every rank reads this copy
-    dist.broadcast(verdict, src=0)
-    rel, gap, ok = verdict.tolist()
-    return (
-        f"losses match the dense model {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, "
-        f"rtol 1e-5; params max |diff| {gap:.1e} after {cfg.steps} AdamW steps)"
+        return reference_train(dense, batch, opt, cfg.steps), dict(dense.named_parameters())
+
+    return reference_verdict(
+        result["losses"],
+        result["full"],
+        dense_run,
+        steps=cfg.steps,
+        device=info.device,
+        what="the dense model",
     )
 
 

@@ -173,6 +173,39 @@ def params_gap(a, b) -> float:
     return max((sa[k].detach().double() - sb[k].detach().double()).abs().max().item() for k in sa)
 
 
+def reference_verdict(
+    losses,
+    params,
+    reference,
+    *,
+    steps: int,
+    device,
+    what: str = "one process",
+    rtol: float = 1e-5,
+    optimizer: str = "AdamW",
+) -> str:
+    """The check a training script ends with, as one printable phrase on every rank.
+
+    `reference()` runs on rank 0 only and returns (losses, {name: parameter}) of the one-process
+    run; `losses` and `params` (name -> full tensor, on rank 0) are the parallel run's. The
+    losses must agree within `rtol`; the parameters' largest difference is reported. The verdict
+    is broadcast (on `device`: NCCL needs CUDA tensors) so every rank prints and exits alike.
+    """
+    verdict = torch.zeros(3, dtype=torch.float64, device=device)
+    if dist.get_rank() == 0:
+        ref_losses, ref_params = reference()
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        gap = params_gap({k: v.cpu() for k, v in params.items()}, ref_params)
+        verdict = torch.tensor([rel, gap, float(rel <= rtol)], dtype=torch.float64, device=device)
+    dist.broadcast(verdict, src=0)
+    rel, gap, ok = verdict.tolist()
+    tol = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-5, as the notes print it
+    return (
+        f"losses match {what} {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, rtol {tol}; "
+        f"params max |diff| {gap:.1e} after {steps} {optimizer} steps)"
+    )
+
+
 def replica_gap(model: torch.nn.Module, group=None) -> float:
     """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
 

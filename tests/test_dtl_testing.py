@@ -82,3 +82,22 @@ def test_replica_gap_is_zero_for_identical_replicas_and_finds_a_one_element_drif
     assert run_distributed(_gap_with_one_rank_nudged, 0.0, world_size=2) == [0.0, 0.0]
     gaps = run_distributed(_gap_with_one_rank_nudged, 0.25, world_size=2)
     assert gaps == [pytest.approx(0.25)] * 2  # every rank learns the max, not just the drifted one
+
+
+def _verdicts():
+    from dtl.testing import reference_verdict
+
+    params = {"w": torch.ones(3)}
+    ref = lambda losses: lambda: (losses, {"w": torch.ones(3) + 1e-3})  # noqa: E731
+    same = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0]), steps=2, device="cpu")
+    off = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0001]), steps=2, device="cpu")
+    return same, off
+
+
+def test_reference_verdict_says_yes_within_rtol_no_outside_and_the_same_on_every_rank():
+    results = run_distributed(_verdicts, world_size=2)
+    assert results[0] == results[1]  # rank 1 prints what rank 0 computed
+    same, off = results[0]
+    assert same.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
+    assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same
+    assert off.startswith("losses match one process NO (max rel diff 5.0e-05")
