@@ -21,6 +21,8 @@ import datetime
 import os
 import pickle
 import queue
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -31,6 +33,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtl.dist import cleanup
+
+
+def script_error(module: str, *args: str, env: dict | None = None, timeout_s: float = 120) -> str:
+    """Run `python -m module args` (no torchrun, no process group) expecting bad input to stop
+    it: asserts exit code 2 and exactly one line on stderr, and returns that line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
 
 
 class RankFailed(AssertionError):

@@ -7,9 +7,6 @@ not used here on purpose: it divides by sqrt(v) and turns the rounding noise of 
 zero in exact arithmetic (the attention key bias) into lr-sized steps (see the notes' pitfalls).
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -21,7 +18,7 @@ from day17_ddp.ddp_manual import SYNC_MODES, BucketDDP, SyncError, wrap
 from dtl.comm import CommCounter
 from dtl.data import get_batch
 from dtl.model import GPT, loss_fn, preset
-from dtl.testing import flat_params, reference_train, run_distributed
+from dtl.testing import flat_params, reference_train, run_distributed, script_error
 
 CFG = preset("tiny")
 B, T, K, LR = 2, 16, 3, 0.5  # per-rank batch, sequence, optimizer steps, SGD lr (large on purpose)
@@ -239,12 +236,7 @@ def test_bad_bucket_cap_and_unknown_sync_mode_fail_with_one_line_before_any_coll
     ],
 )
 def test_train_script_rejects_bad_input_with_one_line_and_exit_2(arg, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "day17_ddp.train", arg], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert message in script_error("day17_ddp.train", arg, timeout_s=60)
 
 
 # --- no_sync: count the collectives, not just the result -------------------------------------

@@ -10,10 +10,6 @@ gradient is ~eps by up to lr * delta / (4 eps) = 2500 delta for a rounding diffe
 at t = 4 one element in 4096 had delta ~ 1e-8 (2.5e-5 measured).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +32,7 @@ from day19_tp.tp import (
 from dtl.comm import CommCounter
 from dtl.dist import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
-from dtl.testing import reference_train, run_distributed
+from dtl.testing import reference_train, run_distributed, script_error
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=250, bias=False)
@@ -534,17 +530,7 @@ def test_sizes_that_do_not_split_over_tp_are_one_line_errors():
     ],
 )
 def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, message):
-    env = {**os.environ, "WORLD_SIZE": world}
-    proc = subprocess.run(
-        [sys.executable, "-m", "day19_tp.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert message in script_error("day19_tp.train", *args, env={"WORLD_SIZE": world})
 
 
 # --- composing with day 18: TP inside, ZeRO over the data-parallel ranks -----------------------

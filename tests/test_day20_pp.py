@@ -6,10 +6,6 @@ Tolerances: loss rtol 1e-6, gradients rtol 1e-5 atol 1e-7 (fp32, the same sums i
 order), parameters after SGD steps atol 1e-6.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +21,7 @@ from day20_pp.pipeline import (
 )
 from dtl.dist import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
-from dtl.testing import run_distributed
+from dtl.testing import run_distributed, script_error
 
 CFG = GPTConfig(n_layer=8, n_head=2, n_embd=16, block_size=16, vocab_size=64, bias=False)
 B, T, M, K = 2, 8, 4, 2
@@ -342,14 +338,4 @@ def test_sizes_a_pipeline_cannot_take_are_one_line_errors():
     ],
 )
 def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, message):
-    env = {**os.environ, "WORLD_SIZE": world}
-    proc = subprocess.run(
-        [sys.executable, "-m", "day20_pp.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert message in script_error("day20_pp.train", *args, env={"WORLD_SIZE": world})
