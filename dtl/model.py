@@ -197,9 +197,10 @@ class CausalSelfAttention(nn.Module):
         return self.c_attn.out_features // (3 * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         nh, hs = self.n_local_heads, self.head_dim
-        q, k, v = self.c_attn(x).split(nh * hs, dim=2)  # 3 x (B, T, nh*hs)
+        qkv = self.c_attn(x)  # (B, T, 3*nh*hs); T from here: under SP x holds T/t tokens
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(nh * hs, dim=2)  # 3 x (B, T, nh*hs)
         # (B, T, nh*hs) -> (B, nh, T, hs): heads become a batch dimension
         q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
         y = self.attn_fn(q, k, v)

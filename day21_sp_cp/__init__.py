@@ -1,0 +1,1 @@
+"""Day 21: sequence and context parallelism."""

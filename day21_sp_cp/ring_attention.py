@@ -1,0 +1,286 @@
+"""Day 21: ring attention, forward and backward written out (Liu et al. 2023, arXiv 2310.01889).
+
+Context parallelism splits the sequence over cp ranks for the whole layer. Everything in a
+transformer layer is per token except attention: the queries of my T/cp tokens need the keys and
+values of every token before them. Ring attention never gathers them. Each rank keeps its Q and
+passes its K/V block to the next rank, cp times around the ring; every step it attends to the
+block it holds and folds the partial result into a running one:
+
+    step 0        step 1        step 2        step 3            (cp = 4, rank 2)
+    Q2 . K2V2     Q2 . K1V1     Q2 . K0V0     Q2 . K3V3         K/V arrive from rank 1 while
+                                                                the step before computes
+
+Folding partial results: a block of keys gives out_b = softmax(S_b) V_b and lse_b =
+log sum_j exp(S_bj). Two blocks merge exactly (the online softmax of flash attention):
+
+    lse = log(exp(lse_a) + exp(lse_b))                        (logaddexp: no overflow)
+    out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+Backward needs no stored scores: with lse of the whole row, P = exp(S - lse) is recomputed per
+block, and with D = rowsum(dO * O):
+
+    dV_b += P^T dO     dP = dO V_b^T     dS = P * (dP - D)     dQ += dS K_b s     dK_b += dS^T Q s
+
+(s = 1/sqrt(head dim)). dQ stays home; dK_b and dV_b are sums over every rank's queries, so they
+travel the ring with K_b/V_b and arrive back at their owner after the last step.
+
+Causal masks and chunks. The sequence is cut into chunks (dtl.data.cp_chunks): contiguous, one
+chunk per rank, or zig-zag, chunks r and 2cp-1-r on rank r. A query chunk i and a key chunk j are
+a full block (i > j), a diagonal block (i == j, causal mask inside) or nothing at all (i < j, all
+masked: skipped). With contiguous chunks rank r computes r + 1 blocks and the last rank does cp
+times the first rank's work; zig-zag gives every rank the same work (`attention_work`).
+
+    attn = RingAttention(grid.cp_group, split="zigzag")
+    gpt.set_attention(attn)          # (B, nh, T/cp, hs) q, k, v of my tokens -> my outputs
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dtl.data import cp_chunks
+
+KV_TAG, DKV_TAG = 21, 22  # gloo matches p2p messages by tag; NCCL ignores tags (the order holds)
+
+
+# --- which blocks a rank computes -------------------------------------------------------------
+
+
+def block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """'full', 'diagonal' (causal mask inside) or 'skip' for query chunk i against key chunk j."""
+    if not causal or q_chunk > k_chunk:
+        return "full"
+    return "diagonal" if q_chunk == k_chunk else "skip"
+
+
+def ring_pairs(rank: int, cp: int, split: str, causal: bool):
+    """Per ring step: (source rank of the K/V block, [(local q part, local k part, kind)])."""
+    mine = cp_chunks(rank, cp, split)
+    steps = []
+    for step in range(cp):
+        src = (rank - step) % cp
+        theirs = cp_chunks(src, cp, split)
+        pairs = [
+            (a, b, block_kind(i, j, causal))
+            for a, i in enumerate(mine)
+            for b, j in enumerate(theirs)
+            if block_kind(i, j, causal) != "skip"
+        ]
+        steps.append((src, pairs))
+    return steps
+
+
+def attention_work(cp: int, split: str, causal: bool = True) -> list[dict]:
+    """Per rank: sub-blocks computed (a chunk x chunk product each, whole: what this code runs)
+    and query-key pairs a causal mask keeps (what a kernel that skips masked tiles runs), in
+    units of (T / n_chunks)^2, n_chunks = cp (contiguous) or 2cp (zig-zag)."""
+    out = []
+    for rank in range(cp):
+        kinds = [kind for _, pairs in ring_pairs(rank, cp, split, causal) for *_, kind in pairs]
+        out.append(
+            dict(
+                blocks=len(kinds),
+                needed=sum(1.0 if k == "full" else 0.5 for k in kinds),
+            )
+        )
+    return out
+
+
+def imbalance(values) -> float:
+    """Slowest rank over the average: the step waits for the slowest."""
+    values = list(values)
+    return max(values) / (sum(values) / len(values))
+
+
+# --- the two operations on one block ---------------------------------------------------------
+
+
+def _scores(q, k, scale, diagonal: bool):
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    if diagonal:  # the same chunk on both sides: keep j <= i
+        n = s.size(-1)
+        keep = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, diagonal):
+    """One block's softmax(q k^T s) v and its row log-sum-exp: (B, nh, Tq, hs), (B, nh, Tq)."""
+    s = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Fold a block's (out_b, lse_b) into the running (out, lse); None means nothing yet."""
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
+    return out, new
+
+
+# --- the ring ---------------------------------------------------------------------------------
+
+
+def _ring_send_recv(tensor: torch.Tensor, group, tag: int):
+    """Post: send `tensor` to the next rank, receive the previous rank's into a new buffer.
+    Returns (buffer, requests): wait on the requests before reading the buffer."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    buf = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % cp), group, tag),
+        dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, (r - 1) % cp), group, tag),
+    ]
+    return buf, dist.batch_isend_irecv(ops)
+
+
+@dataclass
+class RingStats:
+    """Where one rank's ring attention time went (accumulated over calls)."""
+
+    compute_s: float = 0.0  # wall seconds in block math
+    compute_cpu_s: float = 0.0  # this thread's CPU seconds in block math (fair on a busy CPU)
+    wait_s: float = 0.0  # wall seconds blocked on a K/V or dK/dV transfer
+    blocks: int = 0
+    calls: list = field(default_factory=list)
+
+    def add(self, key: str, seconds: float) -> None:
+        setattr(self, key, getattr(self, key) + seconds)
+
+
+class _Clock:
+    """Times a region into a RingStats (or does nothing without one)."""
+
+    def __init__(self, stats: RingStats | None, key: str):
+        self.stats, self.key = stats, key
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc):
+        if self.stats is not None:
+            self.stats.add(self.key, time.perf_counter() - self.t0)
+            if self.key == "compute_s":
+                self.stats.add("compute_cpu_s", time.thread_time() - self.c0)
+
+
+def _wait(requests, stats):
+    with _Clock(stats, "wait_s"):
+        for req in requests:
+            req.wait()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Merge and accumulate in at least fp32 (16-bit inputs), fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, split, causal, stats):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        steps = ring_pairs(rank, cp, split, causal)
+        n = len(cp_chunks(rank, cp, split))  # chunks per rank: 1 or 2
+        scale = 1.0 / math.sqrt(q.size(-1))
+        acc = _acc_dtype(q.dtype)
+        qs = q.to(acc).chunk(n, dim=2)
+        outs, lses = [None] * n, [None] * n
+        kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs): K and V travel as one message
+        for step, (_, pairs) in enumerate(steps):
+            if step < cp - 1:  # the next block is on its way while this one computes
+                next_kv, requests = _ring_send_recv(kv, group, KV_TAG)
+            with _Clock(stats, "compute_s"):
+                ks, vs = kv[0].to(acc).chunk(n, dim=2), kv[1].to(acc).chunk(n, dim=2)
+                for a, b, kind in pairs:
+                    o, lse = _block_forward(qs[a], ks[b], vs[b], scale, kind == "diagonal")
+                    outs[a], lses[a] = _merge(outs[a], lses[a], o, lse)
+            if stats is not None:
+                stats.blocks += len(pairs)
+            if step < cp - 1:
+                _wait(requests, stats)
+                kv = next_kv
+        out, lse = (
+            torch.cat(outs, dim=2),
+            torch.cat(lses, dim=2),
+        )  # (B, nh, T/cp, hs), (B, nh, T/cp)
+        # returned in (B, T/cp, nh, hs) memory order, as the fused kernel does: the attention
+        # module's transpose(1, 2).contiguous() is then free, and c_proj saves this very tensor
+        B, nh, t, hs = out.shape
+        result = torch.empty(B, t, nh, hs, dtype=q.dtype, device=q.device).transpose(1, 2)
+        result.copy_(out)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.split, ctx.causal, ctx.stats = group, split, causal, stats
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, stats = ctx.group, ctx.stats
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        steps = ring_pairs(rank, cp, ctx.split, ctx.causal)
+        n = len(cp_chunks(rank, cp, ctx.split))
+        scale = 1.0 / math.sqrt(q.size(-1))
+        acc = _acc_dtype(q.dtype)
+        qs = q.to(acc).chunk(n, dim=2)
+        dos = grad_out.to(acc).chunk(n, dim=2)
+        # D_i = sum_d dO_id O_id: the softmax backward's row term, once per query
+        ds_row = (grad_out.to(acc) * out.to(acc)).sum(-1).chunk(n, dim=2)
+        lses = lse.chunk(n, dim=2)
+        dq = [torch.zeros_like(x) for x in qs]
+        kv = torch.stack([k, v])
+        dkv, dkv_requests = None, []
+        for step, (_, pairs) in enumerate(steps):
+            if step < cp - 1:
+                next_kv, kv_requests = _ring_send_recv(kv, group, KV_TAG)
+            with _Clock(stats, "compute_s"):
+                ks, vs = kv[0].to(acc).chunk(n, dim=2), kv[1].to(acc).chunk(n, dim=2)
+                step_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+                dks, dvs = step_dkv[0].chunk(n, dim=2), step_dkv[1].chunk(n, dim=2)
+                for a, b, kind in pairs:
+                    s = _scores(qs[a], ks[b], scale, kind == "diagonal")
+                    p = torch.exp(s - lses[a].unsqueeze(-1))  # (B, nh, Tq, Tk), recomputed
+                    dvs[b].add_(p.transpose(-2, -1) @ dos[a])
+                    dp = dos[a] @ vs[b].transpose(-2, -1)
+                    dsc = p * (dp - ds_row[a].unsqueeze(-1)) * scale
+                    dq[a].add_(dsc @ ks[b])
+                    dks[b].add_(dsc.transpose(-2, -1) @ qs[a])
+            if step > 0:  # the running dK/dV of this block arrived during the compute above
+                _wait(dkv_requests, stats)
+                step_dkv += dkv
+            # pass this block's dK/dV on with it; after the last step it reaches its owner
+            dkv, dkv_requests = _ring_send_recv(step_dkv, group, DKV_TAG)
+            if step < cp - 1:
+                _wait(kv_requests, stats)
+                kv = next_kv
+        _wait(dkv_requests, stats)  # dkv now holds my own K/V block's full gradient
+        cast = q.dtype
+        return (
+            torch.cat(dq, dim=2).to(cast),
+            dkv[0].to(cast),
+            dkv[1].to(cast),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class RingAttention:
+    """An attention function for GPT.set_attention: ring attention over `group`."""
+
+    def __init__(self, group, split: str = "contiguous", causal: bool = True, stats=None):
+        self.group, self.split, self.causal, self.stats = group, split, causal, stats
+
+    def __call__(self, q, k, v):
+        return RingAttentionFunction.apply(q, k, v, self.group, self.split, self.causal, self.stats)
+
+
+def ring_attention(q, k, v, group, split="contiguous", causal=True, stats=None):
+    """(B, nh, T/cp, hs) q, k, v of this rank's tokens (in `split` order) -> its outputs."""
+    return RingAttentionFunction.apply(q, k, v, group, split, causal, stats)
