@@ -1,0 +1,535 @@
+"""Day 21: ring attention and Ulysses vs full attention, the CP GPT and the TP + SP GPT vs the dense
+model, communication and activation memory vs the formulas, and DeepSpeed's Ulysses and
+megatron-core's sequence-parallel layers on the same weights.
+
+One spawn per world size (2 and 4 ranks); each rank builds several grids in it.
+
+Reference: full attention (F.scaled_dot_product_attention) and the dense GPT in one process,
+same seeds and data. Tolerances: attention in fp64 rtol 1e-10, atol 1e-12 (measured ~1e-15: the
+online softmax is exact, only the summation order differs); in fp32 rtol 1e-5, atol 1e-6. The
+GPT: losses rtol 1e-5, gradients atol 1e-6, parameters atol 1e-6 under SGD, which shows a
+gradient off by any factor (a cp-mean taken as a sum), and 1e-4 under AdamW (lr 1e-2, eps 1e-6:
+day 19's bound lr·delta/(4 eps) for a rounding difference delta ~ 1e-8).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from day19_tp.activations import saved_activation_bytes
+from day19_tp.tp import ColumnParallelLinear, RowParallelLinear, apply_tp, full_tensors, tp_loss
+from day21_sp_cp import formulas
+from day21_sp_cp.cp import CPError, apply_cp, check_cp, cp_batch
+from day21_sp_cp.ring_attention import (
+    RingStats,
+    attention_work,
+    imbalance,
+    ring_attention,
+)
+from day21_sp_cp.sp import (
+    SPColumnParallelLinear,
+    SPError,
+    SPRowParallelLinear,
+    apply_sp,
+    replicated_parameters,
+)
+from day21_sp_cp.ulysses import UlyssesAttention
+from dtl.comm import CommCounter
+from dtl.data import cp_shard, cp_unshard
+from dtl.dist import ParallelGrid
+from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.testing import reference_train, run_distributed, script_error
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=256)
+B, T, K = 2, 16, 3
+ATT = dict(B=2, nh=4, T=16, hs=8)  # the attention checks' q, k, v: (B, nh, T, hs)
+ACT = dict(b=2, h=64, a=4, seqs=(32, 64, 128))  # the blocks whose saved activations are measured
+CASES = [  # (attention, split, causal)
+    ("ring", "contiguous", True),
+    ("ring", "contiguous", False),
+    ("ring", "zigzag", True),
+    ("ring", "zigzag", False),
+    ("ulysses", "contiguous", True),
+    ("ulysses", "contiguous", False),
+]
+FP = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _rand(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _qkv_do(dtype):
+    shape = (ATT["B"], ATT["nh"], ATT["T"], ATT["hs"])
+    return [_rand(*shape, seed=s, dtype=dtype) for s in (1, 2, 3, 4)]
+
+
+# --- what each rank runs ------------------------------------------------------------------------
+
+
+def _attention(grid):
+    """Every case, both dtypes: this rank's output and dQ, dK, dV shards; the bytes it sent
+    forward and backward; the blocks it computed."""
+    g, cp, r = grid.cp_group, grid.cp_size, grid.cp_rank
+    out = {}
+    for attn, split, causal in CASES:
+        for dtype in FP:
+            q, k, v, do = (cp_shard(t, r, cp, split, dim=2) for t in _qkv_do(dtype))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            stats = RingStats()
+            with CommCounter(group=g) as fwd:
+                if attn == "ring":
+                    o = ring_attention(q, k, v, g, split, causal, stats)
+                else:
+                    o = UlyssesAttention(g, causal)(q, k, v)
+            with CommCounter(group=g) as bwd:
+                o.backward(do)
+            out[attn, split, causal, dtype] = dict(
+                grads=[t.detach() for t in (o, q.grad, k.grad, v.grad)],
+                sent=[c.ring_bytes_per_rank() for c in (fwd, bwd)],
+                blocks=stats.blocks,
+            )
+    return out
+
+
+def _optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+
+
+def _global_batch(step, dp=1):
+    g = torch.Generator().manual_seed(100 + step)
+    rows = torch.randint(0, CFG.vocab_size, (B * dp, T + 1), generator=g)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _train(grid, attn, opt_name, tp_sp=(False, False), save_gathered=False):
+    """K steps of the GPT with CP (and TP, SP) over `grid`, DDP over dp x cp: losses, the
+    first step's gradients, the final parameters (all re-assembled), last step's bytes by kind."""
+    use_tp, use_sp = tp_sp
+    gpt = GPT(CFG, seed=0)
+    if use_tp:
+        apply_tp(gpt, grid)
+    if use_sp:
+        apply_sp(gpt, save_gathered)
+    apply_cp(gpt, grid, attn)
+    group = grid.group("dp", "cp")
+    model = (
+        nn.parallel.DistributedDataParallel(gpt, process_group=group) if group.size() > 1 else gpt
+    )
+    opt = _optimizer(opt_name, model.parameters())
+    losses, grads = [], None
+    for step in range(K):
+        x, y = _global_batch(step, grid.dp_size)
+        x, y = (
+            x[grid.dp_rank * B : (grid.dp_rank + 1) * B],
+            y[grid.dp_rank * B : (grid.dp_rank + 1) * B],
+        )
+        x, y, pos = cp_batch(gpt, x, y)
+        with CommCounter() as comm:
+            logits = model(x, pos)
+            loss = tp_loss(gpt, logits, y) if use_tp else loss_fn(logits, y)
+            loss.backward()
+        if step == 0:
+            grads = full_tensors(gpt, grads=True) if use_tp else _named(gpt, grads=True)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        losses.append(mean.item() / group.size())
+    params = full_tensors(gpt) if use_tp else _named(gpt)
+    return dict(losses=losses, grads=grads, params=params, bytes=dict(comm.ring_bytes))
+
+
+def _named(model, grads=False):
+    return {n: (p.grad if grads else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _sp_block(grid, save_gathered):
+    """One block, TP-only and TP + SP, on the same input: outputs (gathered over the sequence),
+    input and parameter gradients (re-assembled), bytes by kind forward and backward."""
+    out = {}
+    x = _rand(B, T, CFG.n_embd, seed=7)
+    dy = _rand(B, T, CFG.n_embd, seed=8)
+    t, r = grid.tp_size, grid.tp_rank
+    for sp in (False, True):
+        gpt = apply_tp(GPT(CFG, seed=0), grid)
+        if sp:
+            apply_sp(gpt, save_gathered)
+        for p in gpt.parameters():  # full_tensors reads every gradient; only block 0's move
+            p.grad = torch.zeros_like(p)
+        xi = (x.chunk(t, dim=1)[r] if sp else x).clone().requires_grad_()
+        with CommCounter(group=grid.tp_group) as fwd:
+            y = gpt.blocks["0"](xi)
+        with CommCounter(group=grid.tp_group) as bwd:
+            y.backward(dy.chunk(t, dim=1)[r] if sp else dy)
+        if sp:  # the output and dX are sequence shards: gather them to compare
+            y, dx = (_gather_seq(a.detach(), grid.tp_group) for a in (y, xi.grad))
+        else:
+            y, dx = y.detach(), xi.grad
+        grads = {k: v for k, v in full_tensors(gpt, grads=True).items() if k.startswith("blocks.0")}
+        out[sp] = dict(y=y, dx=dx, grads=grads, fwd=dict(fwd.ring_bytes), bwd=dict(bwd.ring_bytes))
+    return out
+
+
+def _gather_seq(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _activations(grid_tp, grid_cp):
+    """Saved bytes of one block per rank: TP, TP + SP, CP (ring) and CP (Ulysses), each s."""
+    b, h, a = ACT["b"], ACT["h"], ACT["a"]
+    out = {}
+    for s in ACT["seqs"]:
+        cfg = GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, vocab_size=256)
+        for name, grid, tokens in (
+            ("tp", grid_tp, s),
+            ("tp_sp", grid_tp, s // grid_tp.tp_size),
+            ("ring", grid_cp, s // grid_cp.cp_size),
+            ("ulysses", grid_cp, s // grid_cp.cp_size),
+        ):
+            gpt = GPT(cfg, seed=0)
+            if name.startswith("tp"):
+                apply_tp(gpt, grid)
+            if name == "tp_sp":
+                apply_sp(gpt)
+            if name in ("ring", "ulysses"):
+                apply_cp(gpt, grid, "ring_zigzag" if name == "ring" else "ulysses")
+            x = _rand(b, tokens, h, seed=12).requires_grad_()
+            out[name, s], _ = saved_activation_bytes(gpt.blocks["0"], x)
+    return out
+
+
+def _deepspeed_ulysses(grid):
+    """DeepSpeed's DistributedAttention (batch-first: scatter heads, gather sequence) and ours on
+    the same shards: outputs and input gradients."""
+    import deepspeed.comm
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.comm.init_distributed(dist_backend="gloo")  # adopts the process group already up
+
+    def local(q, k, v):  # (B, T, nh/cp, hs) -> the same, causal, as DeepSpeed hands them over
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return y.transpose(1, 2)
+
+    g, cp, r = grid.cp_group, grid.cp_size, grid.cp_rank
+    q, k, v, do = (cp_shard(t, r, cp, "contiguous", dim=2) for t in _qkv_do(torch.float64))
+    res = {}
+    for who in ("deepspeed", "ours"):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        if who == "deepspeed":
+            ds = DistributedAttention(local, g, scatter_idx=2, gather_idx=1)
+            o = ds(*(t.transpose(1, 2) for t in (qi, ki, vi)), batch_dim_idx=0).transpose(1, 2)
+        else:
+            o = UlyssesAttention(g)(qi, ki, vi)
+        o.backward(do)
+        res[who] = [t.detach() for t in (o, qi.grad, ki.grad, vi.grad)]
+    return res
+
+
+def _megatron_sp(grid):
+    """megatron-core's ColumnParallelLinear -> RowParallelLinear with sequence_parallel=True
+    ([s/t, b, h] in and out) and ours, same shards: output, dX, dW."""
+    from megatron.core import tensor_parallel as mtp
+
+    import dtl.megatron as dm
+
+    g, t, r = grid.tp_group, grid.tp_size, grid.tp_rank
+    w1, w2 = _rand(16, 8, seed=2), _rand(8, 16, seed=5)
+    x = _rand(8, 3, 8, seed=1)  # [s, b, h], megatron's layout; my s/t rows below
+    mine = x.chunk(t, dim=0)[r]
+    out = {}
+    dm.init_parallel_state(grid)
+    try:
+        with dm.cpu_shim():
+            mtp.model_parallel_cuda_manual_seed(1234)
+            cfg = dm.model_parallel_config(grid, sequence_parallel=True)
+            init = nn.init.zeros_
+            fc1 = mtp.ColumnParallelLinear(
+                8, 16, config=cfg, init_method=init, bias=False, gather_output=False
+            )
+            fc2 = mtp.RowParallelLinear(
+                16,
+                8,
+                config=cfg,
+                init_method=init,
+                bias=False,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            )
+            with torch.no_grad():
+                fc1.weight.copy_(w1.chunk(t)[r])
+                fc2.weight.copy_(w2.chunk(t, dim=1)[r])
+            xm = mine.clone().requires_grad_()
+            y = fc2(F.gelu(fc1(xm)[0]))[0]  # [s/t, b, 8]
+            y.sum().backward()
+            out["megatron"] = [y.detach(), xm.grad, fc1.weight.grad, fc2.weight.grad]
+    finally:
+        dm.destroy_parallel_state()
+    col, row = ColumnParallelLinear(8, 16, g, bias=False), RowParallelLinear(16, 8, g, bias=False)
+    with torch.no_grad():
+        col.weight.copy_(w1.chunk(t)[r])
+        row.weight.copy_(w2.chunk(t, dim=1)[r])
+    col, row = SPColumnParallelLinear(col), SPRowParallelLinear(row)
+    xo = mine.transpose(0, 1).clone().requires_grad_()  # ours is batch-first: [b, s/t, h]
+    y = row(F.gelu(col(xo)))
+    y.sum().backward()
+    out["ours"] = [
+        y.detach().transpose(0, 1),
+        xo.grad.transpose(0, 1),
+        col.weight.grad,
+        row.weight.grad,
+    ]
+    return out
+
+
+def _world_body(world_size):
+    grid_cp = ParallelGrid(cp=world_size)
+    grid_tp = ParallelGrid(tp=world_size)
+    out = {
+        "attention": _attention(grid_cp),
+        "activations": _activations(grid_tp, grid_cp),
+        "deepspeed": _deepspeed_ulysses(grid_cp),
+        "megatron": _megatron_sp(grid_tp),
+    }
+    for save_gathered in (False, True):
+        out["sp_block", save_gathered] = _sp_block(grid_tp, save_gathered)
+    for opt_name in ("sgd", "adamw"):
+        out["cp", "ring_zigzag", opt_name] = _train(grid_cp, "ring_zigzag", opt_name)
+        out["tp_sp", opt_name] = _train(grid_tp, "ring", opt_name, (True, True))
+    out["cp", "ring", "sgd"] = _train(grid_cp, "ring", "sgd")
+    out["cp", "ulysses", "sgd"] = _train(grid_cp, "ulysses", "sgd")
+    out["tp", "sgd"] = _train(grid_tp, "ring", "sgd", (True, False))
+    if world_size == 4:  # the 2-D grids: CP x DP and CP x TP + SP
+        out["cp_dp", "sgd"] = _train(ParallelGrid(cp=2, dp=2), "ring_zigzag", "sgd")
+        grid = ParallelGrid(cp=2, tp=2)
+        out["cp_tp_sp", "sgd"] = _train(grid, "ring_zigzag", "sgd", (True, True))
+        out["cp_tp_sp_ulysses", "sgd"] = _train(grid, "ulysses", "sgd", (True, True))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def world(request):
+    n = request.param
+    return n, run_distributed(_world_body, n, world_size=n, timeout_s=300)
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+
+def _full_attention(dtype, causal):
+    q, k, v, do = _qkv_do(dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(do)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def test_ring_and_ulysses_equal_full_attention_output_dq_dk_dv_fp32_and_fp64(world):
+    cp, ranks = world
+    for attn, split, causal in CASES:
+        for dtype, tol in FP.items():
+            want = _full_attention(dtype, causal)
+            for i, what in enumerate(("output", "dQ", "dK", "dV")):
+                shards = [res["attention"][attn, split, causal, dtype]["grads"][i] for res in ranks]
+                got = cp_unshard(shards, split, dim=2)
+                torch.testing.assert_close(
+                    got,
+                    want[i],
+                    **tol,
+                    msg=lambda m, c=(attn, split, causal, dtype, what): f"{c}: {m}",
+                )
+
+
+def test_ring_and_ulysses_bytes_per_layer_equal_their_formulas(world):
+    cp, ranks = world
+    b, nh, s, hs = ATT["B"], ATT["nh"], ATT["T"], ATT["hs"]
+    for attn, split, causal in CASES:
+        for dtype in FP:
+            e = torch.finfo(dtype).bits // 8
+            fn = formulas.ring_layer_bytes if attn == "ring" else formulas.ulysses_layer_bytes
+            kw = dict(acc_e=e) if attn == "ring" else {}
+            want = fn(b, s, nh * hs, cp, 1, e, **kw)
+            for res in ranks:
+                fwd, bwd = res["attention"][attn, split, causal, dtype]["sent"]
+                assert (fwd, bwd) == (want["forward"], want["backward"]), (attn, split, dtype)
+
+
+def test_blocks_computed_per_rank_follow_the_split_and_zigzag_balances_them(world):
+    cp, ranks = world
+    for split in ("contiguous", "zigzag"):
+        work = attention_work(cp, split)
+        got = [res["attention"]["ring", split, True, torch.float64]["blocks"] for res in ranks]
+        assert got == [w["blocks"] for w in work]
+    contiguous = attention_work(cp, "contiguous")
+    assert [w["blocks"] for w in contiguous] == list(range(1, cp + 1))  # rank r: r + 1 blocks
+    assert imbalance(w["needed"] for w in contiguous) == pytest.approx((cp - 0.5) / (cp / 2))
+    assert imbalance(w["needed"] for w in attention_work(cp, "zigzag")) == 1.0
+    assert imbalance(w["blocks"] for w in attention_work(cp, "zigzag")) == 1.0
+
+
+def test_deepspeed_ulysses_equals_ours(world):
+    cp, ranks = world
+    for res in ranks:
+        for got, want in zip(res["deepspeed"]["ours"], res["deepspeed"]["deepspeed"]):
+            torch.testing.assert_close(got, want, **FP[torch.float64])
+
+
+# --- the CP GPT and the SP GPT against the dense model -------------------------------------------
+
+
+def _dense(opt_name, dp=1):
+    gpt = GPT(CFG, seed=0)
+    loss_fn(gpt(_global_batch(0, dp)[0]), _global_batch(0, dp)[1]).backward()
+    grads = _named(gpt, grads=True)
+    gpt = GPT(CFG, seed=0)
+    losses = reference_train(
+        gpt, lambda s: _global_batch(s, dp), _optimizer(opt_name, gpt.parameters()), K
+    )
+    return losses, grads, _named(gpt)
+
+
+def _assert_like_dense(got, opt_name, dp=1):
+    losses, grads, params = _dense(opt_name, dp)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0)
+    atol = 1e-6 if opt_name == "sgd" else 1e-4
+    for name in params:
+        msg = lambda m, n=name: f"{n}: {m}"  # noqa: E731
+        torch.testing.assert_close(got["grads"][name], grads[name], **TOL, msg=msg)
+        torch.testing.assert_close(got["params"][name], params[name], rtol=1e-5, atol=atol, msg=msg)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        ("cp", "ring_zigzag", "sgd"),
+        ("cp", "ring_zigzag", "adamw"),
+        ("cp", "ring", "sgd"),
+        ("cp", "ulysses", "sgd"),
+        ("tp", "sgd"),
+        ("tp_sp", "sgd"),
+        ("tp_sp", "adamw"),
+    ],
+    ids=lambda k: "-".join(k),
+)
+def test_cp_and_sp_gpt_losses_gradients_parameters_after_k_steps_equal_the_dense_model(world, key):
+    _, ranks = world
+    for res in ranks:
+        _assert_like_dense(res[key], key[-1])
+
+
+@pytest.mark.parametrize(
+    "key", [("cp_dp", "sgd"), ("cp_tp_sp", "sgd"), ("cp_tp_sp_ulysses", "sgd")]
+)
+def test_2d_grids_cp_x_dp_and_cp_x_tp_sp_equal_the_dense_model(world, key):
+    n, ranks = world
+    if n != 4:
+        pytest.skip("a 2-D grid needs 4 ranks (the world4 run has it)")
+    for res in ranks:
+        _assert_like_dense(res[key], "sgd", dp=2 if key[0] == "cp_dp" else 1)
+
+
+def test_sp_block_equals_tp_block_and_moves_the_same_bytes_plus_the_regathers(world):
+    t, ranks = world
+    one = (t - 1) / t * B * T * CFG.n_embd * 4  # one all-gather or reduce-scatter of (B, T, C)
+    for save_gathered in (False, True):
+        for res in ranks:
+            tp, sp = res["sp_block", save_gathered][False], res["sp_block", save_gathered][True]
+            torch.testing.assert_close(sp["y"], tp["y"], **TOL)
+            torch.testing.assert_close(sp["dx"], tp["dx"], **TOL)
+            for name in tp["grads"]:
+                torch.testing.assert_close(sp["grads"][name], tp["grads"][name], **TOL)
+            tp_bytes = tp["fwd"]["all_reduce"] + tp["bwd"]["all_reduce"]
+            activations = sum(sp["fwd"].values()) + sum(
+                v for k, v in sp["bwd"].items() if k != "all_reduce"
+            )
+            extra = 0 if save_gathered else 2 * one  # c_attn and c_fc re-gather their inputs
+            assert activations == pytest.approx(tp_bytes + extra, rel=1e-12)
+            want = formulas.sp_layer_bytes(B, T, CFG.n_embd, t, 4, save_gathered)
+            got = {k: sp["fwd"].get(k, 0) + sp["bwd"].get(k, 0) for k in want}
+            assert got == pytest.approx(want, rel=1e-12)
+            assert tp_bytes == pytest.approx(formulas.tp_layer_bytes(B, T, CFG.n_embd, t))
+
+
+def test_sp_step_bytes_equal_the_formula(world):
+    t, ranks = world
+    for res in ranks:
+        want = formulas.sp_step_bytes(CFG, B, T, t)
+        got = res["tp_sp", "sgd"]["bytes"]
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_megatron_core_sequence_parallel_layers_equal_ours(world):
+    _, ranks = world
+    for res in ranks:
+        for got, want in zip(res["megatron"]["ours"], res["megatron"]["megatron"]):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+# --- activation memory --------------------------------------------------------------------------
+
+
+def test_saved_activations_per_rank_none_tp_sp_cp_at_three_lengths_within_10pct(world):
+    n, ranks = world
+    b, h, a = ACT["b"], ACT["h"], ACT["a"]
+    got = dict(ranks[0]["activations"])
+    for s in ACT["seqs"]:  # none: the dense block in this process
+        gpt = GPT(GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, vocab_size=256), seed=0)
+        got["none", s], _ = saved_activation_bytes(gpt.blocks["0"], _rand(b, s, h, seed=12))
+    kw = {
+        "none": {},
+        "tp": dict(t=n),
+        "tp_sp": dict(t=n, sp=True),
+        "ring": dict(cp=n, attention="ring"),
+        "ulysses": dict(cp=n, attention="ulysses"),
+    }
+    for (name, s), measured in got.items():
+        pred = sum(formulas.layer_terms(s, b, h, a, **kw[name]).values())
+        assert abs(measured - pred) <= 0.10 * pred, (name, s, measured, pred)
+    for s in ACT["seqs"]:  # what each layout buys: SP and CP both divide by the group size
+        assert got["tp_sp", s] < got["tp", s] < got["none", s]
+        assert got["ring", s] == pytest.approx(got["none", s] / n, rel=0.02)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_sizes_that_do_not_split_are_one_line_errors():
+    for args, pattern in (
+        ((4, 1, 2, 63, "ring"), "seq_len 63 is not divisible by 2"),
+        ((4, 1, 2, 66, "ring_zigzag"), "seq_len 66 is not divisible by 4"),
+        ((4, 1, 8, 64, "ulysses"), "4 heads per TP rank do not split over cp 8"),
+        ((4, 2, 4, 64, "ulysses"), "2 heads per TP rank do not split over cp 4"),
+        ((4, 1, 2, 64, "flash"), "unknown attention 'flash'"),
+    ):
+        with pytest.raises(CPError, match=pattern) as info:
+            check_cp(*args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(SPError, match="needs tensor parallelism"):
+        apply_sp(GPT(CFG, seed=0))
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--cp=2", "--attn=ring", "--seq_len=63"], "2", "seq_len 63 is not divisible by 2"),
+        (["--cp=2", "--seq_len=66"], "2", "seq_len 66 is not divisible by 4"),
+        (["--cp=8", "--attn=ulysses"], "8", "4 heads per TP rank do not split over cp 8"),
+        (["--cp=2", "--sp"], "2", "--sp needs tensor parallelism"),
+        (["--cp=3"], "4", "cp 3 x tp 1 does not divide the world size 4"),
+    ],
+)
+def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, message):
+    assert message in script_error("day21_sp_cp.train", *args, env={"WORLD_SIZE": world})
+
+
+def test_replicated_parameters_are_layernorms_and_row_biases():
+    names = replicated_parameters(GPT(CFG, seed=0))
+    assert "wpe.weight" not in names and "ln_f.weight" in names
+    assert "blocks.0.attn.c_proj.bias" in names and "blocks.0.attn.c_attn.bias" not in names
