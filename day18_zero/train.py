@@ -37,7 +37,7 @@ from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import reference_train, reference_verdict
+from dtl.testing import one_process_gpt, reference_verdict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 1e6
@@ -188,14 +188,15 @@ def run(cfg: Config, info) -> dict:
 
 def reference(cfg: Config, info, corpus) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the global batch of every step (what all ranks see together)."""
-    gpt = GPT(preset(cfg.model), seed=cfg.seed)
-    opt = cfg.optim().make(gpt.parameters())
-
-    def batch(step):
-        rows = cfg.batch_size * cfg.grad_accum * info.world_size
-        return get_batch(corpus.train, cfg.seq_len, rows, seed=cfg.seed, step=step)
-
-    losses = reference_train(gpt, batch, opt, cfg.steps)
+    losses, gpt = one_process_gpt(
+        preset(cfg.model),
+        corpus.train,
+        seq_len=cfg.seq_len,
+        rows=cfg.batch_size * cfg.grad_accum * info.world_size,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        make_optimizer=cfg.optim().make,
+    )
     return losses, {n: p.detach() for n, p in gpt.named_parameters()}
 
 

@@ -36,7 +36,7 @@ from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import reference_train, reference_verdict
+from dtl.testing import one_process_gpt, reference_verdict
 
 MB = 1e6
 
@@ -156,14 +156,16 @@ def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
         return "dense check skipped (check=false)"
 
     def dense_run():  # rank 0: the dense model in one process on the global batch
-        dense = GPT(preset(cfg.model), seed=cfg.seed)
-        opt = torch.optim.AdamW(dense.parameters(), lr=cfg.lr)
-        rows = cfg.batch_size * grid.dp_size
-
-        def batch(step):
-            return get_batch(result["corpus"].train, cfg.seq_len, rows, seed=cfg.seed, step=step)
-
-        return reference_train(dense, batch, opt, cfg.steps), dict(dense.named_parameters())
+        losses, dense = one_process_gpt(
+            preset(cfg.model),
+            result["corpus"].train,
+            seq_len=cfg.seq_len,
+            rows=cfg.batch_size * grid.dp_size,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            lr=cfg.lr,
+        )
+        return losses, dict(dense.named_parameters())
 
     return reference_verdict(
         result["losses"],

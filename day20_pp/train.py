@@ -40,8 +40,8 @@ from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
-from dtl.testing import reference_train, reference_verdict
+from dtl.model import PRESETS, preset
+from dtl.testing import one_process_gpt, reference_verdict
 
 
 @dataclass
@@ -205,14 +205,15 @@ def _compare(cfg: Config, info, grid, result) -> str:
     full = {name: t for part in gathered for name, t in part.items()}
 
     def one_process():  # rank 0: the whole GPT on the global batch (lm_head: the tied weight)
-        dense = GPT(preset(cfg.model), seed=cfg.seed)
-        opt = torch.optim.AdamW(dense.parameters(), lr=cfg.lr)
-        rows = cfg.micro_batch_size * cfg.microbatches * grid.dp_size
-
-        def batch(step):
-            return get_batch(result["corpus"].train, cfg.seq_len, rows, seed=cfg.seed, step=step)
-
-        losses = reference_train(dense, batch, opt, cfg.steps)
+        losses, dense = one_process_gpt(
+            preset(cfg.model),
+            result["corpus"].train,
+            seq_len=cfg.seq_len,
+            rows=cfg.micro_batch_size * cfg.microbatches * grid.dp_size,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            lr=cfg.lr,
+        )
         return losses, {
             n: p for n, p in dense.named_parameters(remove_duplicate=False) if n in full
         }

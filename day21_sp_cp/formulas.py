@@ -5,7 +5,9 @@ per element, L layers. "Bytes" are what one rank sends (CommCounter's ring bytes
 
 Activation memory per layer (Korthikanti et al. 2022, Table 2, 16-bit, dropout, s x s scores):
     none       s·b·h·(34 + 5as/h)          TP      s·b·h·(10 + 24/t + 5as/(ht))
-    TP + SP    s·b·h·(34/t + 5as/(ht))     CP      every s above becomes s/cp
+    TP + SP    s·b·h·(34/t + 5as/(ht))     CP      s·b·h/cp·34: ring and Ulysses never keep
+                                                   the scores (a rank's s/cp queries meet all
+                                                   s keys, so kept scores would be a·(s/cp)·s·b)
 `layer_terms` re-derives them tensor by tensor for the dtype, dropout and kernel in use.
 
 Communication per layer per rank, forward + backward:
@@ -61,6 +63,8 @@ def layer_terms(
     leaves whole are split by t, except the column layers' inputs if they keep them gathered.
     """
     fused = attention != "materialized"
+    if cp > 1 and not fused:
+        raise ValueError("CP attention here is ring or Ulysses: no s x s scores are kept")
     terms = tp_layer_terms(s // cp, b, h, a, t, elem_bytes, dropout, fused)
     if sp:
         for name in NOT_SPLIT_BY_TP:
@@ -69,6 +73,20 @@ def layer_terms(
     if attention == "ulysses":
         terms["attention output (heads layout)"] = (s // cp) * b * h * elem_bytes / t
     return terms
+
+
+LAYOUTS = {  # the layouts the notes compare, over n ranks -> layer_terms' keywords
+    "none": lambda n: {},
+    "tp": lambda n: dict(t=n),
+    "tp_sp": lambda n: dict(t=n, sp=True),
+    "ring": lambda n: dict(cp=n, attention="ring"),
+    "ulysses": lambda n: dict(cp=n, attention="ulysses"),
+}
+
+
+def layout_bytes(layout: str, s: int, b: int, h: int, a: int, n: int) -> float:
+    """One layer's saved bytes per rank for a named layout over n ranks (fp32, no dropout)."""
+    return sum(layer_terms(s, b, h, a, **LAYOUTS[layout](n)).values())
 
 
 def korthikanti_sp_bytes(s: int, b: int, h: int, a: int, t: int) -> float:

@@ -161,9 +161,14 @@ class _Clock:
         self.stats, self.key = stats, key
 
     def __enter__(self):
+        # a named range in torch.profiler traces ("ring.compute_s", "ring.wait_s"): bench.py
+        # reads them back to see which transfers were hidden behind compute
+        self.range = torch.profiler.record_function(f"ring.{self.key}")
+        self.range.__enter__()
         self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc):
+        self.range.__exit__(*exc)
         if self.stats is not None:
             self.stats.add(self.key, time.perf_counter() - self.t0)
             if self.key == "compute_s":
@@ -254,7 +259,10 @@ class RingAttentionFunction(torch.autograd.Function):
                 _wait(dkv_requests, stats)
                 step_dkv += dkv
             # pass this block's dK/dV on with it; after the last step it reaches its owner
-            dkv, dkv_requests = _ring_send_recv(step_dkv, group, DKV_TAG)
+            if cp > 1:
+                dkv, dkv_requests = _ring_send_recv(step_dkv, group, DKV_TAG)
+            else:  # a ring of one: the block is mine, nothing travels
+                dkv, dkv_requests = step_dkv, []
             if step < cp - 1:
                 _wait(kv_requests, stats)
                 kv = next_kv

@@ -59,7 +59,7 @@ def _check_split(n: int, t: int) -> None:
 
 def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
     """(B, T/t, C) on each rank -> (B, T, C), rank r's tokens at rows [r·T/t, (r+1)·T/t).
-    all_gather_into_tensor stacks along dim 0, so the sequence is moved to the front and back."""
+    all_gather_single stacks along dim 0, so the sequence is moved to the front and back."""
     t = dist.get_world_size(group)
     front = x.movedim(-2, 0).contiguous()  # (T/t, ..., C)
     out = torch.empty((t * front.size(0), *front.shape[1:]), dtype=x.dtype, device=x.device)
@@ -240,6 +240,8 @@ def apply_sp(model: GPT, save_gathered: bool = False) -> GPT:
     info = getattr(model, "tp", None)
     if info is None or info.size == 1:
         raise SPError("sequence parallelism needs tensor parallelism: apply_tp with tp > 1 first")
+    if model.cfg.dropout > 0:  # Megatron forks a per-TP-rank RNG stream for the SP regions
+        raise SPError("SP with dropout needs a separate RNG stream per TP rank (not built here)")
     for name, module in list(model.named_modules()):
         if isinstance(module, ColumnParallelLinear):
             new = SPColumnParallelLinear(module, save_gathered)

@@ -1,6 +1,6 @@
 """Day 21: train the shared GPT with context parallelism (and TP + SP, and DP beside them).
 
-CPU (gloo), ~10-20 s:
+CPU (gloo), ~7 s at 2 ranks, ~12 s at 4:
     torchrun --standalone --nproc_per_node=2 -m day21_sp_cp.train --cp=2 --attn=ring_zigzag
     torchrun --standalone --nproc_per_node=4 -m day21_sp_cp.train --cp=2 --tp=2 --sp  # CP x TP+SP
     torchrun --standalone --nproc_per_node=4 -m day21_sp_cp.train --cp=2 --attn=ulysses  # CP x DP
@@ -40,7 +40,7 @@ from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, loss_fn, preset
-from dtl.testing import reference_train, reference_verdict
+from dtl.testing import one_process_gpt, reference_verdict
 
 MB = 1e6
 CP_KINDS = ("send", "all_to_all")  # ring attention's p2p, Ulysses' all-to-alls: the cp group
@@ -53,6 +53,7 @@ class Config:
     attn: str = "ring_zigzag"  # ring (contiguous split) | ring_zigzag | ulysses
     tp: int = 1  # tensor-parallel size; dp = world / (cp * tp)
     sp: bool = False  # Megatron sequence parallelism on top of TP (needs tp > 1)
+    pad_vocab: bool = False  # TP: pad the vocabulary to a multiple of tp (GPT-2's 50,257)
     save_gathered: bool = False  # SP: keep the all-gathered input for backward (no re-gather)
     model: str = "small"  # GPT preset (`small`: 4 layers, 4 heads, n_embd 128, block 128)
     batch_size: int = 2  # sequences per DP rank
@@ -79,7 +80,7 @@ class Config:
         if self.seq_len > cfg.block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size {cfg.block_size}")
         try:
-            check_tp(cfg, self.tp)
+            check_tp(cfg, self.tp, self.pad_vocab)
             check_cp(cfg.n_head, self.tp, self.cp, self.seq_len, self.attn, self.sp)
         except (TPError, CPError) as e:
             raise err(str(e)) from None
@@ -93,10 +94,10 @@ class Config:
 def build(cfg: Config, grid: ParallelGrid, device):
     gpt = GPT(preset(cfg.model), seed=cfg.seed)
     if cfg.tp > 1:
-        apply_tp(gpt, grid)
+        apply_tp(gpt, grid, pad_vocab=cfg.pad_vocab)
     if cfg.sp:
         apply_sp(gpt, save_gathered=cfg.save_gathered)
-    apply_cp(gpt, grid, cfg.attn)  # cp = 1: a ring of one, exactly full attention
+    apply_cp(gpt, grid, cfg.attn)  # cp = 1: keeps the fused kernel, only sets model.cp
     gpt = gpt.to(device)
     group = grid.group("dp", "cp")
     model = DDP(gpt, process_group=group) if grid.dp_size * grid.cp_size > 1 else gpt
@@ -229,14 +230,16 @@ def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
         return "dense check skipped (check=false)"
 
     def dense_run():  # rank 0: the dense model in one process on the global batch
-        dense = GPT(preset(cfg.model), seed=cfg.seed)
-        opt = torch.optim.AdamW(dense.parameters(), lr=cfg.lr)
-        rows = cfg.batch_size * grid.dp_size
-
-        def batch(step):
-            return get_batch(result["corpus"].train, cfg.seq_len, rows, seed=cfg.seed, step=step)
-
-        return reference_train(dense, batch, opt, cfg.steps), dict(dense.named_parameters())
+        losses, dense = one_process_gpt(
+            preset(cfg.model),
+            result["corpus"].train,
+            seq_len=cfg.seq_len,
+            rows=cfg.batch_size * grid.dp_size,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            lr=cfg.lr,
+        )
+        return losses, dict(dense.named_parameters())
 
     return reference_verdict(
         result["losses"],
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     info = dtl_dist.init()
     grid = ParallelGrid(cp=cfg.cp, tp=cfg.tp, dp=info.world_size // (cfg.cp * cfg.tp))
     dtl_config.save(cfg, cfg.out_dir, argv)
-    dtl_dist.print0(f"grid: {grid}; {ATTENTION[cfg.attn]} split")
+    split = f"; {ATTENTION[cfg.attn]} split" if cfg.cp > 1 else ""
+    dtl_dist.print0(f"grid: {grid}{split}")
     result = run(cfg, info, grid)
     ok = report(cfg, info, grid, result)
     dtl_dist.cleanup()

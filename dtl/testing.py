@@ -11,7 +11,8 @@ If any rank raises, the test fails at once with that rank's traceback, and the o
 may be blocked in a collective waiting for the dead one) are killed, not left to time out.
 
 The other half of every check is the one-process reference: `reference_train` (the plain loop
-that a parallel run must reproduce), `params_gap` (max |difference| between two models) and
+that a parallel run must reproduce), `one_process_gpt` (that loop for the shared GPT on the global
+batch, the training scripts' reference), `params_gap` (max |difference| between two models) and
 `replica_gap` (are all ranks' copies identical?), used by every day's tests and scripts.
 """
 
@@ -175,6 +176,34 @@ def reference_train(
         optimizer.step()
         losses.append(value.item())
     return losses
+
+
+def one_process_gpt(
+    model_cfg,
+    tokens: torch.Tensor,
+    *,
+    seq_len: int,
+    rows: int,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    make_optimizer: Callable | None = None,
+):
+    """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
+    the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
+    the same rows the ranks split among themselves). AdamW(lr) unless `make_optimizer(params)`
+    is given. Returns (losses, the trained model)."""
+    from dtl.data import get_batch
+    from dtl.model import GPT
+
+    gpt = GPT(model_cfg, seed=seed)
+    params = gpt.parameters()
+    opt = make_optimizer(params) if make_optimizer else torch.optim.AdamW(params, lr=lr)
+
+    def batch(step):
+        return get_batch(tokens, seq_len, rows, seed=seed, step=step)
+
+    return reference_train(gpt, batch, opt, steps), gpt
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

@@ -12,6 +12,8 @@ gradient off by any factor (a cp-mean taken as a sum), and 1e-4 under AdamW (lr 
 day 19's bound lr·delta/(4 eps) for a rounding difference delta ~ 1e-8).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from day19_tp.activations import saved_activation_bytes
-from day19_tp.tp import ColumnParallelLinear, RowParallelLinear, apply_tp, full_tensors, tp_loss
+from day19_tp.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPInfo,
+    apply_tp,
+    full_tensors,
+    tp_loss,
+)
 from day21_sp_cp import formulas
 from day21_sp_cp.cp import CPError, apply_cp, check_cp, cp_batch
 from day21_sp_cp.ring_attention import (
@@ -424,13 +433,12 @@ def test_cp_and_sp_gpt_losses_gradients_parameters_after_k_steps_equal_the_dense
         _assert_like_dense(res[key], key[-1])
 
 
+@pytest.mark.parametrize("world", [4], indirect=True, ids=["world4"])
 @pytest.mark.parametrize(
-    "key", [("cp_dp", "sgd"), ("cp_tp_sp", "sgd"), ("cp_tp_sp_ulysses", "sgd")]
+    "key", [("cp_dp", "sgd"), ("cp_tp_sp", "sgd"), ("cp_tp_sp_ulysses", "sgd")], ids="-".join
 )
 def test_2d_grids_cp_x_dp_and_cp_x_tp_sp_equal_the_dense_model(world, key):
-    n, ranks = world
-    if n != 4:
-        pytest.skip("a 2-D grid needs 4 ranks (the world4 run has it)")
+    _, ranks = world
     for res in ranks:
         _assert_like_dense(res[key], "sgd", dp=2 if key[0] == "cp_dp" else 1)
 
@@ -482,15 +490,8 @@ def test_saved_activations_per_rank_none_tp_sp_cp_at_three_lengths_within_10pct(
     for s in ACT["seqs"]:  # none: the dense block in this process
         gpt = GPT(GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, vocab_size=256), seed=0)
         got["none", s], _ = saved_activation_bytes(gpt.blocks["0"], _rand(b, s, h, seed=12))
-    kw = {
-        "none": {},
-        "tp": dict(t=n),
-        "tp_sp": dict(t=n, sp=True),
-        "ring": dict(cp=n, attention="ring"),
-        "ulysses": dict(cp=n, attention="ulysses"),
-    }
     for (name, s), measured in got.items():
-        pred = sum(formulas.layer_terms(s, b, h, a, **kw[name]).values())
+        pred = formulas.layout_bytes(name, s, b, h, a, n)
         assert abs(measured - pred) <= 0.10 * pred, (name, s, measured, pred)
     for s in ACT["seqs"]:  # what each layout buys: SP and CP both divide by the group size
         assert got["tp_sp", s] < got["tp", s] < got["none", s]
@@ -513,6 +514,10 @@ def test_sizes_that_do_not_split_are_one_line_errors():
         assert "\n" not in str(info.value)
     with pytest.raises(SPError, match="needs tensor parallelism"):
         apply_sp(GPT(CFG, seed=0))
+    with_dropout = GPT(dataclasses.replace(CFG, dropout=0.1), seed=0)
+    with_dropout.tp = TPInfo(group=None, size=2, rank=0, vocab_size=256, padded_vocab_size=256)
+    with pytest.raises(SPError, match="separate RNG stream per TP rank"):
+        apply_sp(with_dropout)
 
 
 @pytest.mark.parametrize(

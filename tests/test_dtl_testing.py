@@ -101,3 +101,28 @@ def test_reference_verdict_says_yes_within_rtol_no_outside_and_the_same_on_every
     assert same.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
     assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same
     assert off.startswith("losses match one process NO (max rel diff 5.0e-05")
+
+
+def test_one_process_gpt_trains_the_seeded_gpt_on_get_batch_rows_with_the_given_optimizer():
+    from dtl.data import get_batch
+    from dtl.model import GPT, preset
+    from dtl.testing import one_process_gpt, params_gap, reference_train
+
+    cfg, tokens = preset("tiny"), torch.arange(2000) % 256
+    losses, gpt = one_process_gpt(cfg, tokens, seq_len=8, rows=3, steps=2, seed=1, lr=1e-2)
+    by_hand = GPT(cfg, seed=1)
+    opt = torch.optim.AdamW(by_hand.parameters(), lr=1e-2)
+    expected = reference_train(
+        by_hand, lambda s: get_batch(tokens, 8, 3, seed=1, step=s), opt, steps=2
+    )
+    assert losses == expected and params_gap(gpt, by_hand) == 0.0
+    sgd, _ = one_process_gpt(
+        cfg,
+        tokens,
+        seq_len=8,
+        rows=3,
+        steps=2,
+        seed=1,
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+    )
+    assert sgd[0] == losses[0] and sgd[1] != losses[1]  # same start, another optimizer
