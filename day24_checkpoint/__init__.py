@@ -1,0 +1,1 @@
+"""Day 24: distributed checkpointing."""

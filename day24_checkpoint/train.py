@@ -1,0 +1,245 @@
+"""Day 24: train the shared GPT with checkpoints that survive kills, resharding and restarts.
+
+CPU (gloo), ~10 s:
+    torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=ddp
+    torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=fsdp2 --async_save
+    # resume on 4 ranks from the 2-rank FSDP2 checkpoint (DCP reshards), 4 more steps:
+    torchrun --standalone --nproc_per_node=4 -m day24_checkpoint.train --parallel=fsdp2 --steps=16
+    # a rank killed at step 7, torchrun restarts the workers, they resume from step 4:
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m day24_checkpoint.train \
+        --fail_at_step=7 --out_dir=outputs/day24_checkpoint/drill
+GPUs (NCCL): the same lines with --nproc_per_node=gpu --config day24_checkpoint/gpu.toml
+
+Each step's batch is a pure function of (seed, step): the global batch is cut over the ranks, so a
+run resumed at another world size sees the same rows. Losses go to <out_dir>/losses.jsonl (every
+attempt, exact float.hex values), and the run ends with the sha256 of the full parameters: two
+runs are bit-identical when both agree. Drills (first attempt only, i.e. TORCHELASTIC_RESTART_COUNT
+0): --fail_at_step kills rank --fail_rank with SIGKILL before that step; --fail_during_save kills it
+while it writes that step's checkpoint (its shard on disk, the commit not done).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from day24_checkpoint.ckpt import AppState, Checkpointer, CheckpointError, latest, verify
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.metrics import StepLogger
+from dtl.model import GPT, PRESETS, loss_fn, preset
+
+PARALLEL = ("ddp", "fsdp2")
+RESUME = ("auto", "none", "latest")
+
+
+@dataclass
+class Config:
+    parallel: str = "ddp"  # ddp | fsdp2 (FSDP2's fully_shard: every rank saves its shards)
+    model: str = "tiny"  # GPT preset
+    dropout: float = 0.1  # > 0, so that a resumed run needs each rank's RNG state back
+    global_batch: int = 8  # sequences per step, cut over the ranks (the same rows at any world)
+    seq_len: int = 32  # tokens per sequence
+    steps: int = 12  # the step the run ends at (a resumed run trains the rest)
+    lr: float = 3e-3  # AdamW peak learning rate (linear warm-up, cosine decay to lr / 10)
+    warmup: int = 2  # warm-up steps
+    save_every: int = 4  # steps between checkpoints
+    keep: int = 3  # committed checkpoints kept (older ones deleted)
+    async_save: bool = False  # stage a copy, write it from a thread on its own process group
+    resume: str = "auto"  # auto (latest if any) | none | latest (must exist) | a checkpoint path
+    restore_rng: bool = True  # restore each rank's generator (false: show what goes wrong)
+    ckpt_dir: str = ""  # empty: <out_dir>/ckpt
+    seed: int = 0  # model init, batches, dropout streams (seed + rank)
+    step_sleep_s: float = 0.0  # sleep per step (the elastic drill: time for a node to join)
+    fail_at_step: int = -1  # drill: SIGKILL rank fail_rank before this step (first attempt)
+    fail_during_save: int = -1  # drill: SIGKILL rank fail_rank while writing this step's save
+    fail_rank: int = 1  # drill: the rank that dies
+    out_dir: str = ""  # empty: outputs/day24_checkpoint/<parallel>
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        if self.parallel not in PARALLEL:
+            raise err(f"unknown parallel '{self.parallel}'; choose {' or '.join(PARALLEL)}")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        if self.global_batch % world:
+            raise err(f"global_batch {self.global_batch} does not split over {world} ranks")
+        self.out_dir = self.out_dir or f"outputs/day24_checkpoint/{self.parallel}"
+        self.ckpt_dir = self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
+        dtl_config.ensure_writable_dir(self.ckpt_dir, "ckpt_dir")
+        if self.resume not in RESUME and not os.path.isdir(self.resume):
+            raise err(f"resume '{self.resume}' is neither {', '.join(RESUME)} nor a folder")
+        try:  # the checkpoint a resume will read: present, intact, this model's
+            path = self.resume_path()
+            if path is not None:
+                verify(path, asdict(self.model_config()))
+        except CheckpointError as e:
+            raise err(str(e)) from None
+
+    def model_config(self):
+        return preset(self.model, dropout=self.dropout)
+
+    def resume_path(self) -> str | None:
+        if self.resume == "none":
+            return None
+        if self.resume in ("auto", "latest"):
+            path = latest(self.ckpt_dir)
+            if path is None and self.resume == "latest":
+                raise CheckpointError(f"resume=latest but {self.ckpt_dir} holds no checkpoint")
+            return path
+        return self.resume
+
+
+def build(cfg: Config, info):
+    gpt = GPT(cfg.model_config(), seed=cfg.seed).to(info.device)
+    if info.world_size == 1:
+        model = gpt
+    elif cfg.parallel == "ddp":
+        model = DDP(gpt)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in gpt.blocks.values():  # each block its own all-gather unit, then the rest
+            fully_shard(block)
+        model = fully_shard(gpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
+    return gpt, model, opt, sched
+
+
+def _schedule(cfg: Config):
+    import math
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def params_sha256(model) -> str:
+    """sha256 over every full parameter's bytes, in name order (collective under FSDP2)."""
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _die(reason: str) -> None:
+    print(f"[rank {dist.get_rank()}] drill: {reason}; SIGKILL at t={time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(cfg: Config, info) -> dict:
+    corpus = load_corpus(tokenizer="byte" if cfg.model.startswith("tiny") else "auto")
+    torch.manual_seed(cfg.seed + info.rank)  # each rank's dropout stream
+    gpt, model, opt, sched = build(cfg, info)
+    app = AppState(model, opt, sched, restore_rng=cfg.restore_rng)
+
+    def on_write(step):
+        if step == cfg.fail_during_save and info.rank == cfg.fail_rank and _restart_count() == 0:
+            _die(f"killed while writing the step-{step} checkpoint")
+
+    ckpt = Checkpointer(
+        cfg.ckpt_dir,
+        keep=cfg.keep,
+        async_save=cfg.async_save,
+        config=asdict(cfg.model_config()),
+        on_write=on_write,
+    )
+    start, resumed = 0, "none"
+    path = cfg.resume_path()
+    if path is not None:
+        t0 = time.perf_counter()
+        start = ckpt.load(app, path)
+        resumed = f"step {start}"
+        dtl_dist.print0(
+            f"resumed from {path} (step {start}) at world size {info.world_size} in "
+            f"{time.perf_counter() - t0:.2f} s; attempt {_restart_count()}"
+        )
+    per_rank = cfg.global_batch // info.world_size
+    log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch * cfg.seq_len)
+    losses_path = os.path.join(cfg.out_dir, "losses.jsonl")
+    if info.is_main and start == 0 and _restart_count() == 0:
+        open(losses_path, "w").close()  # a fresh run starts a fresh record
+    for step in range(start, cfg.steps):
+        if step == cfg.fail_at_step and info.rank == cfg.fail_rank and _restart_count() == 0:
+            _die(f"killed before step {step}")
+        x, y = get_batch(
+            corpus.train,
+            cfg.seq_len,
+            per_rank,
+            seed=cfg.seed,
+            step=step,
+            dp_rank=info.rank,
+            dp_size=info.world_size,
+        )
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x.to(info.device)), y.to(info.device))
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        app.progress.step, app.progress.samples = step + 1, (step + 1) * cfg.global_batch
+        mean = dtl_dist.all_reduce_scalar(loss.item(), average=True)
+        blocked = 0.0
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            blocked = ckpt.save(app, step + 1).blocked_s
+        ckpt.poll()
+        if info.is_main:  # exact values (float.hex), every attempt: the drills compare them
+            with open(losses_path, "a") as f:
+                line = dict(
+                    step=step,
+                    loss=mean.hex(),
+                    attempt=_restart_count(),
+                    world=info.world_size,
+                    time=time.time(),
+                )
+                f.write(json.dumps(line) + "\n")
+        time.sleep(cfg.step_sleep_s)
+        log.log(
+            step, loss=mean, dt_s=time.perf_counter() - t0, save_blocked_ms=f"{blocked * 1e3:.1f}"
+        )
+    ckpt.wait()
+    log.close()
+    return dict(
+        sha=params_sha256(gpt if cfg.parallel == "ddp" else model), ckpt=ckpt, resumed=resumed
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    result = run(cfg, info)
+    records = result["ckpt"].records
+    blocked = sum(r.blocked_s for r in records) / max(1, len(records))
+    dtl_dist.print0(
+        f"summary: day24 parallel={cfg.parallel} world={info.world_size} steps={cfg.steps} "
+        f"resumed={result['resumed']} attempt={_restart_count()}: final params sha256 "
+        f"{result['sha'][:16]}; {len(records)} {'async' if cfg.async_save else 'sync'} saves, "
+        f"training blocked {blocked * 1e3:.1f} ms per save (mean); latest {latest(cfg.ckpt_dir)}"
+    )
+    dtl_dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
