@@ -95,8 +95,10 @@ class AppState(Stateful):
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
-        if self.load_rng:  # one key per rank: rank r reads back only its own generator
+        if self.load_rng:  # one key per rank: rank r reads back only its own generators
             state["rng"] = {self.rng_key: torch.get_rng_state()}
+            if torch.cuda.is_available():  # dropout on a GPU draws from the CUDA generator
+                state["rng"][self.rng_key + "_cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -111,6 +113,8 @@ class AppState(Stateful):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.load_rng and self.restore_rng:
             torch.set_rng_state(state["rng"][self.rng_key])
+            if torch.cuda.is_available():
+                torch.cuda.set_rng_state(state["rng"][self.rng_key + "_cuda"])
 
 
 # --- the folder layout ------------------------------------------------------------------------

@@ -324,12 +324,12 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     for name in chosen:
-        if name == "kill_rank":
-            for _ in range(cfg.repeats):
+        for _ in range(cfg.repeats if name == "kill_rank" else 1):
+            if name == "kill_rank":
                 results.append(drills.kill_rank(rng.randrange(cfg.save_every + 1, cfg.steps)))
-        else:
-            results.append(getattr(drills, name)())
-        _print(results[-1])
+            else:
+                results.append(getattr(drills, name)())
+            _print(results[-1])
     passed = sum(r["ok"] for r in results)
     overheads = [r["restart_s"] for r in results if r.get("restart_s") is not None]
     extra = f"; restart overhead {min(overheads):.1f}-{max(overheads):.1f} s" if overheads else ""

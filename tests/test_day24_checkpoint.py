@@ -250,17 +250,26 @@ def test_two_agents_train_together_and_a_second_node_joining_continues_the_run(d
 # --- bad input ----------------------------------------------------------------------------------
 
 
-def test_train_script_rejects_bad_checkpoints_and_folders_with_one_line(drills, tmp_path):
+def test_train_script_rejects_bad_checkpoints_and_folders_with_one_line(
+    drills, tmp_path, monkeypatch
+):
+    from dtl import config as dtl_config
+
     ref = drills.reference()
     path = C.latest(os.path.join(ref.out_dir, "ckpt"))
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    cases = [
-        ([f"--resume={path}", "--model=tiny-nobias"], "is from another model config: bias True"),
+    # the script itself, once: exit 2 and one line, before any process group
+    line = script_error(
+        "day24_checkpoint.train", f"--resume={path}", "--model=tiny-nobias", env={"WORLD_SIZE": "2"}
+    )
+    assert "is from another model config: bias True (checkpoint) vs False" in line, line
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the same parse, in this process, for the others
+    for args, message in [
         (["--resume=latest", f"--out_dir={tmp_path / 'empty'}"], "holds no checkpoint"),
         ([f"--ckpt_dir={blocker}/ckpt"], "ckpt_dir"),
         (["--resume=nowhere"], "is neither auto, none, latest nor a folder"),
-    ]
-    for args, message in cases:
-        line = script_error("day24_checkpoint.train", *args, env={"WORLD_SIZE": "2"})
-        assert message in line, line
+    ]:
+        with pytest.raises(dtl_config.ConfigError, match=message) as info:
+            dtl_config.load(Config, args)
+        assert "\n" not in str(info.value)
