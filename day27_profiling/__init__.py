@@ -1,0 +1,1 @@
+"""Day 27: profiling and MFU."""

@@ -1,0 +1,231 @@
+"""Day 27: MFU with its conventions and a measured ceiling; real traces cut into their parts.
+
+    torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=mfu
+    torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=traces
+GPU: the same lines; part=mfu then measures the bf16 ceiling and the gpt2-124m step (see gpu.toml)
+
+mfu: the FLOPs-per-token table in every convention (mfu.py), the published figures recomputed,
+FlopCounterMode's count of a real step beside the formula, the matmul ceiling of this device at
+the step's shapes (ceiling.py), and the MFU of a measured training step against the ceiling and,
+where one exists, the datasheet peak.
+traces: day 17's naive and bucketed DDP and day 20's 1F1B, each run under profile.py (2 ranks),
+each rank's traced step cut into compute / comm hidden / comm exposed / idle
+(trace_analysis.py), a PNG of the lanes, and day 20's idle from the trace beside the idle the
+run measured with its own clock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from day27_profiling import ceiling, mfu, trace_analysis
+from day27_profiling.profile import trace_path
+from dtl import config as dtl_config
+from dtl.data import get_batch, load_corpus
+from dtl.metrics import peak_flops
+from dtl.model import GPT, PRESETS, loss_fn, preset
+
+RUNS = {  # name -> (module, args): the runs part=traces profiles
+    "ddp_naive": ("day17_ddp.train", ["--sync=naive", "--profile_step=-1"]),
+    "ddp_bucket": ("day17_ddp.train", ["--sync=bucket", "--profile_step=-1"]),
+    "pp_1f1b": ("day20_pp.train", ["--schedule=1f1b", "--pp=2"]),
+}
+
+
+@dataclass
+class Config:
+    part: str = "mfu"  # mfu | traces
+    model: str = "small"  # part=mfu: the GPT whose step is measured
+    batch_size: int = 4  # part=mfu: sequences per step
+    seq_len: int = 128  # part=mfu: tokens per sequence
+    steps: int = 4  # part=mfu: timed steps (after one warm-up)
+    dtype: str = "auto"  # part=mfu: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    runs: str = "ddp_naive,ddp_bucket,pp_1f1b"  # part=traces: which of RUNS
+    out_dir: str = "outputs/day27_profiling"  # traces/<run>/rank<R>.json, PNGs
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        if self.part not in ("mfu", "traces"):
+            raise err(f"unknown part '{self.part}'; choose mfu or traces")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        if self.seq_len > preset(self.model).block_size:
+            raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
+        for run in self.runs.split(","):
+            if run not in RUNS:
+                raise err(f"unknown run '{run}'; one of {', '.join(RUNS)}")
+
+
+# --- part mfu ---------------------------------------------------------------------------------
+
+
+def _dtype(cfg: Config, device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+
+
+def measure_step(cfg: Config, device, dtype) -> float:
+    """Tokens per second of the model's training step (forward, backward, AdamW)."""
+    mcfg = preset(cfg.model)
+    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    model = GPT(mcfg, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    times = []
+    for step in range(cfg.steps + 1):
+        x, y = get_batch(corpus.train, cfg.seq_len, cfg.batch_size, seed=0, step=step)
+        x, y = x.to(device), y.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with autocast:
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    best = sorted(times[1:])[len(times[1:]) // 2]  # the median after the warm-up step
+    return cfg.batch_size * cfg.seq_len / best
+
+
+def part_mfu(cfg: Config) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _dtype(cfg, device)
+    gpt2 = preset("gpt2-124m")
+    print("FLOPs per token, GPT-2 124M at T = 1024 (ratio to the PaLM/nanoGPT convention):")
+    for name, value, ratio in mfu.table(gpt2, 1024):
+        print(f"  {name:<20} {value / 1e6:>10.1f} MFLOP  {ratio:>6.3f}")
+    worst_pub = 0.0
+    print("published figures, recomputed:")
+    for row in mfu.published_checks():
+        rel = abs(row["ours"] - row["published"]) / row["published"]
+        worst_pub = max(worst_pub, rel) if row["published"] > 1 else worst_pub
+        fmt = ",.0f" if row["published"] > 1 else ".3f"
+        ours, published = format(row["ours"], fmt), format(row["published"], fmt)
+        print(f"  {row['what']}: ours {ours} vs {published} ({row['source']})")
+    mcfg = preset(cfg.model)
+    model = GPT(mcfg, seed=0)
+    x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.seq_len))
+    counted = mfu.counted_flops_per_token(model, x, x)
+    formula = mfu.flops_per_token(mcfg, cfg.seq_len, "palm")
+    print(
+        f"{cfg.model}, T = {cfg.seq_len}: FlopCounterMode {counted / 1e6:.3f} MFLOP per token, "
+        f"6N + 12LHQT {formula / 1e6:.3f} ({counted / formula - 1:+.2%})"
+    )
+    tokens = cfg.batch_size * cfg.seq_len
+    ceil = ceiling.step_ceiling(mcfg, tokens, dtype, device)
+    square = ceiling.square_ceiling(4096 if device.type == "cuda" else 1024, dtype, device)
+    for name, rate in ceil["per_matmul"].items():
+        print(f"  matmul {name:<12} {rate / 1e9:>9.1f} GFLOP/s")
+    print(
+        f"ceiling at the step's shapes ({dtype}, {device.type}): "
+        f"{ceil['ceiling'] / 1e9:.1f} GFLOP/s; one square matmul {square / 1e9:.1f} GFLOP/s"
+    )
+    tok_s = measure_step(cfg, device, dtype)
+    achieved = formula * tok_s
+    ours = mfu.mfu(formula, tok_s, ceil["ceiling"])
+    peak = peak_flops(device)
+    vs_peak = (
+        f"; vs datasheet {mfu.mfu(formula, tok_s, peak):.1%}"
+        if peak
+        else ("; no datasheet peak for this device")
+    )
+    print(
+        f"step: {tok_s:,.0f} tokens/s x {formula / 1e6:.2f} MFLOP = {achieved / 1e9:.2f} "
+        f"GFLOP/s: MFU {ours:.1%} of the measured ceiling{vs_peak}"
+    )
+    return (
+        f"summary: day27 mfu {cfg.model} T={cfg.seq_len} {device.type} {str(dtype)[6:]}: "
+        f"published figures reproduced (worst {worst_pub:.1e}); FlopCounterMode "
+        f"{counted / formula - 1:+.2%} vs 6N+12LHQT; ceiling {ceil['ceiling'] / 1e9:.1f} "
+        f"GFLOP/s; MFU {ours:.1%} of the ceiling{vs_peak}"
+    )
+
+
+# --- part traces ------------------------------------------------------------------------------
+
+
+def profile_run(name: str, out_dir: str, active_step: int = 2) -> tuple[str, str]:
+    """Run RUNS[name] on 2 ranks under profile.py; returns (its output, its trace folder)."""
+    module, args = RUNS[name]
+    trace_dir = os.path.join(out_dir, "traces", name)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not re.match(
+            r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|"
+            r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|ROLE_\w+|GROUP_\w+)$",
+            k,
+        )
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "day27_profiling.profile",
+        f"--target={module}",
+        f"--trace_dir={trace_dir}",
+        f"--active_step={active_step}",
+        "--",
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    return proc.stdout, trace_dir
+
+
+def part_traces(cfg: Config) -> str:
+    parts, lanes = [], {}
+    for name in cfg.runs.split(","):
+        output, trace_dir = profile_run(name, cfg.out_dir)
+        ranks = [trace_analysis.breakdown(trace_path(trace_dir, r)) for r in (0, 1)]
+        for r, b in enumerate(ranks):
+            print(f"{name} rank {r}: {b.line()}")
+            lanes[f"{name} r{r}"] = b
+        hidden = sum(b.hidden_ms for b in ranks) / max(1e-9, sum(b.comm_ms for b in ranks))
+        part = f"{name} comm hidden {hidden:.0%}"
+        m = re.search(r"measured idle ([\d.]+)", output)
+        if m:  # day 20: the trace's share of the step not computing vs the run's own clock
+            trace_idle = sum(b.not_computing for b in ranks) / len(ranks)
+            measured = float(m.group(1))
+            print(
+                f"{name}: not computing {trace_idle:.3f} of the step (trace, mean of ranks) vs "
+                f"measured idle {measured:.3f} (the run's clock): "
+                f"{abs(trace_idle - measured) / measured:.1%} apart"
+            )
+            part += f", idle {trace_idle:.3f} (trace) vs {measured:.3f} (run)"
+        parts.append(part)
+    path = os.path.join(cfg.out_dir, "breakdown.png")
+    trace_analysis.plot(
+        lanes, path, "one traced step per rank: compute, comm hidden, comm exposed, idle"
+    )
+    print(f"plot: {path}")
+    return f"summary: day27 traces: {'; '.join(parts)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        dtl_config.exit_with_error("bench.py runs as one process (--nproc_per_node=1)")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    line = part_mfu(cfg) if cfg.part == "mfu" else part_traces(cfg)
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

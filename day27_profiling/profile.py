@@ -1,0 +1,139 @@
+"""Day 27: profile any lesson run, one trace per rank, without touching the lesson's code.
+
+    torchrun --standalone --nproc_per_node=2 -m day27_profiling.profile \\
+        --target=day17_ddp.train --trace_dir=outputs/day27_profiling/ddp -- --sync=bucket \\
+        --profile_step=-1
+    python -m day27_profiling.profile --lesson=20 --run=1f1b     # a registered line, wrapped
+
+The wrapper runs the target module as `__main__` (runpy) inside torch.profiler. Which step is
+traced? Every training loop calls optimizer.step() once per step, so a global optimizer
+step-post hook advances the profiler's schedule: steps before `active_step` are skipped (the
+first ones pay for allocation and warm-up), step `active_step` is recorded and written to
+<trace_dir>/rank<R>.json, the rest run unprofiled. The trace holds one `ProfilerStep#N` range:
+the window trace_analysis.py cuts the step out with.
+
+CPU: host ops (aten::..., autograd::...) on the calling thread, gloo's work on its own threads.
+CUDA: kernels and NCCL kernels on their streams too, and NVTX ranges for every op
+(torch.autograd.profiler.emit_nvtx) when Nsight Systems records the run, with this command:
+
+    nsys profile --trace=cuda,nvtx,osrt --output=<trace_dir>/nsys <the torchrun line>
+
+(NVTX is only emitted where CUDA is present; on a CPU it would be a no-op at best.)
+A lesson that runs its own profiler must turn it off (day 17: --profile_step=-1): torch allows
+one profiler at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from dtl import config as dtl_config
+
+
+@dataclass
+class Config:
+    target: str = ""  # the module to run as __main__ (e.g. day17_ddp.train); args after --
+    lesson: int = 0  # or: a registered lesson's day ...
+    run: str = ""  # ... and the name of its run: its CPU line is wrapped and run
+    active_step: int = 2  # optimizer steps run before the one that is traced
+    trace_dir: str = "outputs/day27_profiling/traces"  # rank<R>.json
+    nvtx: bool = True  # emit NVTX ranges when CUDA is present (for Nsight Systems)
+
+    def validate(self) -> None:
+        if bool(self.target) == bool(self.lesson):
+            raise dtl_config.ConfigError("give either --target=<module> or --lesson=<day> --run=")
+
+
+def trace_path(trace_dir: str, rank: int) -> str:
+    return os.path.join(trace_dir, f"rank{rank}.json")
+
+
+def nvtx_context(enabled: bool):
+    """NVTX ranges for Nsight Systems, only where CUDA exists (a CPU run gets a null context)."""
+    if enabled and torch.cuda.is_available():
+        return torch.autograd.profiler.emit_nvtx(record_shapes=False)
+    return contextlib.nullcontext()
+
+
+def profile_module(cfg: Config, target_argv: list[str]) -> None:
+    """Run `cfg.target` as __main__ under torch.profiler; trace step `active_step`."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(cfg.trace_dir, exist_ok=True)
+    path = trace_path(cfg.trace_dir, rank)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(
+            wait=max(0, cfg.active_step - 1), warmup=min(1, cfg.active_step), active=1, repeat=1
+        ),
+        on_trace_ready=lambda p: p.export_chrome_trace(path),
+    )
+    hook = register_optimizer_step_post_hook(lambda *args: prof.step())
+    sys.argv = [cfg.target, *target_argv]
+    try:
+        with prof, nvtx_context(cfg.nvtx):
+            runpy.run_module(cfg.target, run_name="__main__", alter_sys=True)
+    finally:
+        hook.remove()
+
+
+def wrapped_line(lesson: int, run: str, trace_dir: str, active_step: int) -> list[str]:
+    """A registered CPU launch line with this wrapper inserted before its module."""
+    from dtl import registry
+
+    lessons = {x.day: x for x in registry.load()}
+    if lesson not in lessons:
+        raise dtl_config.ConfigError(f"no lesson for day {lesson}")
+    runs = {r.name: r for r in lessons[lesson].runs}
+    if run not in runs:
+        raise dtl_config.ConfigError(f"day {lesson} has no run '{run}'; one of {', '.join(runs)}")
+    words = shlex.split(runs[run].cpu)
+    i = words.index("-m")
+    module = words[i + 1]
+    return [
+        *words[:i],
+        "-m",
+        "day27_profiling.profile",
+        f"--target={module}",
+        f"--trace_dir={trace_dir}",
+        f"--active_step={active_step}",
+        "--",
+        *words[i + 2 :],
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    cfg = dtl_config.parse(Config, argv[:split])
+    if cfg.target:
+        profile_module(cfg, argv[split + 1 :])
+        return
+    line = wrapped_line(cfg.lesson, cfg.run, cfg.trace_dir, cfg.active_step)
+    print("running: " + " ".join(shlex.quote(w) for w in line), flush=True)
+    print(
+        "with Nsight Systems (GPU machines): nsys profile --trace=cuda,nvtx,osrt "
+        f"--output={cfg.trace_dir}/nsys " + " ".join(shlex.quote(w) for w in line),
+        flush=True,
+    )
+    line[0] = "torch.distributed.run" if line[0] == "torchrun" else line[0]
+    code = subprocess.run([sys.executable, "-m", *line]).returncode
+    print(f"traces: {cfg.trace_dir}/rank<R>.json (exit {code})", flush=True)
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
