@@ -77,8 +77,8 @@ def _register_cpu_sdpa_formula() -> None:
     aten = torch.ops.aten
     fwd = aten._scaled_dot_product_flash_attention_for_cpu
     bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
-    if fwd.default in fc.flop_registry:
-        return
+    if fwd in fc.flop_registry or fwd.default in fc.flop_registry:
+        return  # registered already (this process, or a torch that knows the op)
 
     @fc.register_flop_formula(fwd)
     def _fwd(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
