@@ -32,6 +32,7 @@ then lets DCP read each rank's pieces, resharding when the world size or the sha
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-PREFIX, TMP, LATEST, META = "step_", ".tmp", "latest", "meta.json"
+PREFIX, TMP, OLD, LATEST, META = "step_", ".tmp", ".old", "latest", "meta.json"
 
 
 class CheckpointError(ValueError):
@@ -96,9 +97,7 @@ class AppState(Stateful):
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.load_rng:  # one key per rank: rank r reads back only its own generators
-            state["rng"] = {self.rng_key: torch.get_rng_state()}
-            if torch.cuda.is_available():  # dropout on a GPU draws from the CUDA generator
-                state["rng"][self.rng_key + "_cuda"] = torch.cuda.get_rng_state()
+            state["rng"] = {self.rng_key: rng_bytes()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -112,9 +111,27 @@ class AppState(Stateful):
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.load_rng and self.restore_rng:
-            torch.set_rng_state(state["rng"][self.rng_key])
-            if torch.cuda.is_available():
-                torch.cuda.set_rng_state(state["rng"][self.rng_key + "_cuda"])
+            set_rng_bytes(state["rng"][self.rng_key])
+
+
+def rng_bytes() -> bytes:
+    """This process's generators (CPU, and CUDA's where present: dropout on a GPU draws from
+    it) as one bytes value. DCP saves a non-tensor value whole and loads it by replacement,
+    so a checkpoint written on a CPU loads on a GPU machine and the other way round (a dict of
+    tensors would be flattened into keys that one side lacks)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def set_rng_bytes(data: bytes) -> None:
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # --- the folder layout ------------------------------------------------------------------------
@@ -125,11 +142,17 @@ def step_dir(root: str, step: int) -> str:
 
 
 def committed(root: str) -> list[str]:
-    """Committed checkpoints, oldest first (folders with a meta.json; never a .tmp)."""
+    """Committed checkpoints, oldest commit first (folders with a meta.json; never a .tmp).
+
+    Ordered by commit time, not by step: a fresh run writing step 4 into a folder where an
+    older run left step 16 must keep its own step 4 (retention deletes the oldest commits)."""
     if not os.path.isdir(root):
         return []
-    names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and not n.endswith(TMP))
-    return [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, META))]
+    paths = [
+        os.path.join(root, n) for n in os.listdir(root) if n.startswith(PREFIX) and "." not in n
+    ]
+    done = [p for p in paths if os.path.isfile(os.path.join(p, META))]
+    return sorted(done, key=lambda p: (os.path.getmtime(os.path.join(p, META)), p))
 
 
 def latest(root: str) -> str | None:
@@ -140,6 +163,8 @@ def latest(root: str) -> str | None:
     with open(pointer) as f:
         name = f.read().strip()
     path = os.path.join(root, name)
+    if not os.path.isdir(path) and os.path.isdir(path + OLD):
+        path += OLD  # a crash between setting the old folder aside and the new rename
     if not os.path.isfile(os.path.join(path, META)):
         raise CheckpointError(f"{pointer} points to {name}, which is not a committed checkpoint")
     return path
@@ -230,6 +255,8 @@ class Checkpointer:
         config: dict | None = None,
         on_write=None,
     ):
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1, got {keep}")
         self.root, self.keep, self.async_save = root, keep, async_save
         self.config = config or {}
         self.on_write = on_write  # a hook called after this rank's shard is written (drills)
@@ -244,11 +271,17 @@ class Checkpointer:
             self._remove_stale_tmp()
 
     def _remove_stale_tmp(self) -> None:
-        """Folders a crash left half-written: never loaded, removed at start."""
+        """What a crash can leave: a half-written step_N.tmp (never loaded: removed) and, in
+        the instant of re-committing an existing step, step_N.old (put back, or removed)."""
         if os.path.isdir(self.root):
             for name in os.listdir(self.root):
+                path = os.path.join(self.root, name)
                 if name.endswith(TMP):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                    shutil.rmtree(path, ignore_errors=True)
+                elif name.endswith(OLD) and not os.path.exists(path[: -len(OLD)]):
+                    os.rename(path, path[: -len(OLD)])  # a crash mid-commit: put it back
+                elif name.endswith(OLD):
+                    shutil.rmtree(path, ignore_errors=True)
 
     def latest(self) -> str | None:
         return latest(self.root)
@@ -312,7 +345,8 @@ class Checkpointer:
                 f.flush()
                 os.fsync(f.fileno())
             final = step_dir(self.root, step)
-            shutil.rmtree(final, ignore_errors=True)
+            if os.path.exists(final):  # the same step again: set the old one aside first, so
+                os.replace(final, final + OLD)  # `latest` never points at a deleted folder
             os.rename(tmp, final)  # 2. the commit
             pointer = os.path.join(self.root, LATEST)
             with open(pointer + TMP, "w") as f:
@@ -320,8 +354,10 @@ class Checkpointer:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(pointer + TMP, pointer)  # 3. latest moves
+            shutil.rmtree(final + OLD, ignore_errors=True)
             for old in committed(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
         record.total_s = time.perf_counter() - record.started
 
     def _barrier(self) -> None:

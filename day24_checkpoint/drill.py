@@ -197,7 +197,8 @@ class Drills:
             root = self.path(f"corrupt_{damage.split()[0]}")
             shutil.rmtree(root, ignore_errors=True)
             shutil.copytree(ref.out_dir, root)
-            shard = os.path.join(latest(os.path.join(root, "ckpt")), "__1_0.distcp")
+            last = self.cfg.nproc - 1  # the last rank's shard
+            shard = os.path.join(latest(os.path.join(root, "ckpt")), f"__{last}_0.distcp")
             if damage == "delete":
                 os.remove(shard)
             else:

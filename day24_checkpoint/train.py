@@ -1,6 +1,6 @@
 """Day 24: train the shared GPT with checkpoints that survive kills, resharding and restarts.
 
-CPU (gloo), ~10 s:
+CPU (gloo), ~5 s:
     torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=ddp
     torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=fsdp2 --async_save
     # resume on 4 ranks from the 2-rank FSDP2 checkpoint (DCP reshards), 4 more steps:
@@ -74,6 +74,8 @@ class Config:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
         if self.global_batch % world:
             raise err(f"global_batch {self.global_batch} does not split over {world} ranks")
+        if self.keep < 1:
+            raise err(f"keep must be >= 1 (checkpoints kept), got {self.keep}")
         self.out_dir = self.out_dir or f"outputs/day24_checkpoint/{self.parallel}"
         self.ckpt_dir = self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
         dtl_config.ensure_writable_dir(self.ckpt_dir, "ckpt_dir")

@@ -219,6 +219,37 @@ def test_only_committed_checkpoints_are_listed_and_pruned_to_keep(saved):
     assert meta["world_size"] == 2 and set(meta["files"]) >= {".metadata", "__0_0.distcp"}
 
 
+def test_a_fresh_run_over_an_old_folder_keeps_its_own_checkpoints(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    app = C.AppState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    old = C.Checkpointer(str(tmp_path), keep=2)
+    for step in (8, 12):
+        old.save(app, step)
+    new = C.Checkpointer(str(tmp_path), keep=2)
+    new.save(app, 4)  # retention goes by commit order, not by step number
+    assert C.latest(str(tmp_path)).endswith("step_00000004")
+    assert [os.path.basename(p) for p in C.committed(str(tmp_path))] == [
+        "step_00000012",
+        "step_00000004",
+    ]
+    new.save(app, 4)  # the same step again: set aside, replaced, never dangling
+    assert C.latest(str(tmp_path)).endswith("step_00000004")
+    os.rename(tmp_path / "step_00000004", tmp_path / "step_00000004.old")  # a crash mid-commit
+    assert C.latest(str(tmp_path)).endswith("step_00000004.old")
+    C.Checkpointer(str(tmp_path))  # start-up puts it back
+    assert C.latest(str(tmp_path)).endswith("step_00000004")
+    with pytest.raises(C.CheckpointError, match="keep must be >= 1"):
+        C.Checkpointer(str(tmp_path), keep=0)
+
+
+def test_rng_state_round_trips_as_bytes():
+    torch.manual_seed(3)
+    data = C.rng_bytes()
+    first = torch.rand(4)
+    C.set_rng_bytes(data)
+    assert torch.equal(torch.rand(4), first)
+
+
 # --- the drills: torchrun, SIGKILL, restarts ------------------------------------------------------
 
 
