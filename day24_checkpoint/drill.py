@@ -273,7 +273,7 @@ class Drills:
             *self.common,
         ]
         if join_after_ckpt:  # slow steps: time for the second agent to arrive mid-run
-            launch.append("--step_sleep_s=0.3")
+            launch.append("--step_sleep_s=0.2")
         t0 = time.perf_counter()
         procs = [
             subprocess.Popen(

@@ -33,8 +33,8 @@ from dtl.metrics import peak_flops
 from dtl.model import GPT, PRESETS, loss_fn, preset
 
 RUNS = {  # name -> (module, args): the runs part=traces profiles
-    "ddp_naive": ("day17_ddp.train", ["--sync=naive", "--profile_step=-1"]),
-    "ddp_bucket": ("day17_ddp.train", ["--sync=bucket", "--profile_step=-1"]),
+    "ddp_naive": ("day17_ddp.train", ["--sync=naive", "--profile_step=-1", "--steps=4"]),
+    "ddp_bucket": ("day17_ddp.train", ["--sync=bucket", "--profile_step=-1", "--steps=4"]),
     "pp_1f1b": ("day20_pp.train", ["--schedule=1f1b", "--pp=2"]),
 }
 
