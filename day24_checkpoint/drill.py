@@ -272,8 +272,8 @@ class Drills:
             f"--out_dir={out_dir}",
             *self.common,
         ]
-        if join_after_ckpt:  # slow steps: time for the second agent to arrive mid-run
-            launch.append("--step_sleep_s=0.2")
+        if join_after_ckpt:  # alone, the first agent's worker waits after its first save
+            launch.append(f"--hold_at_step={self.cfg.save_every}")
         t0 = time.perf_counter()
         procs = [
             subprocess.Popen(

@@ -59,7 +59,9 @@ class Config:
     restore_rng: bool = True  # restore each rank's generator (false: show what goes wrong)
     ckpt_dir: str = ""  # empty: <out_dir>/ckpt
     seed: int = 0  # model init, batches, dropout streams (seed + rank)
-    step_sleep_s: float = 0.0  # sleep per step (the elastic drill: time for a node to join)
+    step_sleep_s: float = 0.0  # sleep per step (slows a run down for a manual elastic test)
+    hold_at_step: int = -1  # drill (elastic): alone after saving this step, wait for a node
+    hold_s: float = 60.0  # ... at most this long (the agent restarts us when one joins)
     fail_at_step: int = -1  # drill: SIGKILL rank fail_rank before this step (first attempt)
     fail_during_save: int = -1  # drill: SIGKILL rank fail_rank while writing this step's save
     fail_rank: int = 1  # drill: the rank that dies
@@ -150,6 +152,17 @@ def _die(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _hold_for_a_node(seconds: float) -> None:
+    """The elastic drill's handshake: the checkpoint is committed; idle until the agent, seeing
+    a node waiting to join, stops this worker and restarts all of them at the larger world."""
+    print(
+        f"holding at world size 1 for up to {seconds:.0f} s: waiting for a node to join", flush=True
+    )
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def run(cfg: Config, info) -> dict:
     corpus = load_corpus(tokenizer="byte" if cfg.model.startswith("tiny") else "auto")
     torch.manual_seed(cfg.seed + info.rank)  # each rank's dropout stream
@@ -217,6 +230,8 @@ def run(cfg: Config, info) -> dict:
                 )
                 f.write(json.dumps(line) + "\n")
         time.sleep(cfg.step_sleep_s)
+        if step + 1 == cfg.hold_at_step and info.world_size == 1:
+            _hold_for_a_node(cfg.hold_s)
         log.log(
             step, loss=mean, dt_s=time.perf_counter() - t0, save_blocked_ms=f"{blocked * 1e3:.1f}"
         )

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=mfu
     torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=traces
-GPU: the same lines; part=mfu then measures the bf16 ceiling and the gpt2-124m step (see gpu.toml)
+GPU: the same lines; part=mfu then measures the bf16 ceiling and the step of the model given
+(lessons.toml's GPU line: gpt2-124m at T = 1024); part=traces stays a CPU-host analysis
 
 mfu: the FLOPs-per-token table in every convention (mfu.py), the published figures recomputed,
 FlopCounterMode's count of a real step beside the formula, the matmul ceiling of this device at
@@ -114,8 +115,8 @@ def part_mfu(cfg: Config) -> str:
         ours, published = format(row["ours"], fmt), format(row["published"], fmt)
         print(f"  {row['what']}: ours {ours} vs {published} ({row['source']})")
     mcfg = preset(cfg.model)
-    model = GPT(mcfg, seed=0)
-    x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.seq_len))
+    model = GPT(mcfg, seed=0).to(device)  # one sequence is enough: FLOPs per token
+    x = torch.randint(0, mcfg.vocab_size, (1, cfg.seq_len), device=device)
     counted = mfu.counted_flops_per_token(model, x, x)
     formula = mfu.flops_per_token(mcfg, cfg.seq_len, "palm")
     print(
@@ -198,7 +199,9 @@ def part_traces(cfg: Config) -> str:
             print(f"{name} rank {r}: {b.line()}")
             lanes[f"{name} r{r}"] = b
         hidden = sum(b.hidden_ms for b in ranks) / max(1e-9, sum(b.comm_ms for b in ranks))
-        part = f"{name} comm hidden {hidden:.0%}"
+        # p2p sends stay "in flight" until the end of a pipeline step (they are waited for
+        # there), so their spans say nothing about overlap: hidden share for collectives only
+        part = f"{name}" if name.startswith("pp") else f"{name} comm hidden {hidden:.0%}"
         m = re.search(r"measured idle ([\d.]+)", output)
         if m:  # day 20: the trace's share of the step not computing vs the run's own clock
             trace_idle = sum(b.not_computing for b in ranks) / len(ranks)

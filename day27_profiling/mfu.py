@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from dtl.model import GPTConfig, num_params
+from dtl.model import flops_per_token as dtl_flops_per_token
 
 CONVENTIONS = ("kaplan", "palm", "causal", "megatron", "megatron_recompute")
 
@@ -37,13 +38,13 @@ def flops_per_token(
 
     `n_params` overrides N (llm.c counts every parameter, the position embedding included)."""
     L, H, Q, C, V, T = cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.n_embd, cfg.vocab_size, seq_len
-    N = n_params if n_params is not None else num_params(cfg, exclude_position_embedding=True)
     if convention == "kaplan":
         return 6 * 12 * L * C * C
-    if convention == "palm":
-        return 6 * N + 12 * L * H * Q * T
-    if convention == "causal":
-        return 6 * N + 6 * L * H * Q * T
+    if convention in ("palm", "causal"):
+        causal = convention == "causal"
+        if n_params is None:  # the kit's definition of N (dtl.model.flops_per_token)
+            return dtl_flops_per_token(cfg, seq_len, causal_halved=causal)
+        return 6 * n_params + (6 if causal else 12) * L * H * Q * T
     if convention == "megatron":
         return 72 * L * C * C * (1 + T / (6 * C) + V / (12 * L * C))
     if convention == "megatron_recompute":

@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.target:
         profile_module(cfg, argv[split + 1 :])
         return
-    line = wrapped_line(cfg.lesson, cfg.run, cfg.trace_dir, cfg.active_step)
+    try:
+        line = wrapped_line(cfg.lesson, cfg.run, cfg.trace_dir, cfg.active_step)
+    except dtl_config.ConfigError as e:
+        dtl_config.exit_with_error(e)  # one line, exit 2
     print("running: " + " ".join(shlex.quote(w) for w in line), flush=True)
     print(
         "with Nsight Systems (GPU machines): nsys profile --trace=cuda,nvtx,osrt "

@@ -13,8 +13,9 @@ From a torch.profiler chrome trace (profile.py writes one per rank), inside the 
 
 so that step = compute + exposed + idle. "Communication exposed" is the figure to shrink: what
 overlap buys is moving comm from exposed to hidden. On a GPU the same split is made from kernel
-lanes (compute kernels vs NCCL kernels on their streams); this CPU version reads host ranges,
-which is what a CPU run does.
+lanes (compute kernels vs NCCL kernels on their streams), which this module does not implement
+yet: it reads host ranges, which is what a CPU run does; on a GPU its numbers describe the host
+thread (launches), not the device. Read GPU traces in Perfetto or Nsight Systems.
 """
 
 from __future__ import annotations

@@ -377,12 +377,15 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM App. B; nanoGPT's estimate_mfu).
 
-    N counts every weight that takes part in a matmul: all parameters but the position
-    embedding (with tied weights, wte is counted once, standing for the lm_head matmul).
+    N counts the parameters but the position embedding (a lookup, no matmul); with tied
+    weights wte is counted once, standing for the lm_head matmul; untied, wte is a lookup too
+    and is left out (lm_head counts). Biases and LayerNorm weights are in N (as in nanoGPT).
     The attention term counts the full T x T score matrix (nanoGPT, torchtitan); with
     `causal_halved=True` it is halved for the causal mask (llm.c, current Megatron).
     """
     T = seq_len or cfg.block_size
     N = num_params(cfg, exclude_position_embedding=True)
+    if not cfg.tie_weights:
+        N -= cfg.vocab_size * cfg.n_embd  # the untied wte: a lookup
     attn = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
     return 6 * N + (attn / 2 if causal_halved else attn)

@@ -41,9 +41,11 @@ def test_conventions_differ_exactly_by_the_attention_and_recompute_terms():
         mfu.flops_per_token(cfg, 1024, "chinchilla")
 
 
-@pytest.mark.parametrize("name, seq", [("tiny", 32), ("small", 128)])
-def test_flop_counter_mode_agrees_with_6n_plus_attention_within_1pct(name, seq):
-    cfg = preset(name)
+@pytest.mark.parametrize(
+    "name, seq, tied", [("tiny", 32, True), ("small", 128, True), ("small", 128, False)]
+)
+def test_flop_counter_mode_agrees_with_6n_plus_attention_within_1pct(name, seq, tied):
+    cfg = preset(name, tie_weights=tied)  # untied: wte is a lookup, not in N
     x = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
     counted = mfu.counted_flops_per_token(GPT(cfg, seed=0), x, x)
     formula = mfu.flops_per_token(cfg, seq, "palm")
@@ -110,7 +112,7 @@ def test_breakdown_of_a_hand_made_trace(tmp_path):
     assert b.not_computing == pytest.approx(0.3) and b.hidden_share == pytest.approx(0.5)
 
 
-def test_real_cpu_traces_naive_no_overlap_bucket_some_and_1f1b_idle_equals_its_bubble(tmp_path):
+def test_real_cpu_traces_naive_no_overlap_bucket_some_and_1f1b_idle_equals_the_runs_own(tmp_path):
     out = {}
     for name in ("ddp_naive", "ddp_bucket", "pp_1f1b"):
         output, trace_dir = bench.profile_run(name, str(tmp_path))
