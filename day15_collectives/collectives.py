@@ -18,6 +18,7 @@ form in n = world size: e.g. all_reduce(SUM) of (r + 1) must give n(n + 1)/2 eve
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,26 +35,29 @@ def check_broadcast(device, group=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     src_group_rank = n - 1
     t = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
+    before = t.clone()
     dist.broadcast(
         t, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group
     )
-    return t, torch.full_like(t, float(src_group_rank))
+    return before, t, torch.full_like(t, float(src_group_rank))
 
 
 def check_all_reduce_sum(device, group=None):
     # before: rank r holds (r + 1); after: every rank holds 1 + 2 + ... + n = n(n + 1)/2
     n, r = dist.get_world_size(group), dist.get_rank(group)
     t = torch.full((N_ELEMS,), float(r + 1), device=device, dtype=torch.float64)
+    before = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t, torch.full_like(t, n * (n + 1) / 2)
+    return before, t, torch.full_like(t, n * (n + 1) / 2)
 
 
 def check_all_reduce_avg(device, group=None):
     # AVG = SUM / n: (n + 1)/2 everywhere (native on NCCL, and on gloo since torch 2.x)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     t = torch.full((N_ELEMS,), float(r + 1), device=device, dtype=torch.float64)
+    before = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
-    return t, torch.full_like(t, (n + 1) / 2)
+    return before, t, torch.full_like(t, (n + 1) / 2)
 
 
 def check_all_reduce_max(device, group=None):
@@ -61,9 +65,10 @@ def check_all_reduce_max(device, group=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     i = torch.arange(N_ELEMS, device=device, dtype=torch.float64)
     t = (r * i) % n
+    before = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     expected = torch.stack([(k * i) % n for k in range(n)]).amax(dim=0)
-    return t, expected
+    return before, t, expected
 
 
 def check_all_gather(device, group=None):
@@ -73,7 +78,7 @@ def check_all_gather(device, group=None):
     out = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(out, mine, group=group)
     expected = torch.arange(n, device=device, dtype=torch.float64)[:, None].expand(n, N_ELEMS)
-    return torch.stack(out), expected
+    return mine, torch.stack(out), expected
 
 
 def check_reduce_scatter(device, group=None):
@@ -86,7 +91,7 @@ def check_reduce_scatter(device, group=None):
     ]
     out = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
     dist.reduce_scatter(out, rows, op=dist.ReduceOp.SUM, group=group)
-    return out, torch.full_like(out, n * n * (n - 1) / 2 + n * r)
+    return torch.stack(rows), out, torch.full_like(out, n * n * (n - 1) / 2 + n * r)
 
 
 def check_all_reduce_is_reduce_scatter_plus_all_gather(device, group=None):
@@ -102,7 +107,7 @@ def check_all_reduce_is_reduce_scatter_plus_all_gather(device, group=None):
     dist.reduce_scatter(shard, list(x.chunk(n)), group=group)  # (N_ELEMS,): my summed chunk
     pieces = [torch.empty_like(shard) for _ in range(n)]
     dist.all_gather(pieces, shard, group=group)  # n x (N_ELEMS,) -> the full sum again
-    return torch.cat(pieces), reduced
+    return x, torch.cat(pieces), reduced
 
 
 def check_all_to_all(device, group=None):
@@ -113,7 +118,7 @@ def check_all_to_all(device, group=None):
     inp = torch.arange(n, device=device, dtype=torch.float64) + r * n
     out = torch.empty_like(inp)
     dist.all_to_all_single(out, inp, group=group)
-    return out, torch.arange(n, device=device, dtype=torch.float64) * n + r
+    return inp, out, torch.arange(n, device=device, dtype=torch.float64) * n + r
 
 
 def check_send_recv_ring(device, group=None):
@@ -122,7 +127,7 @@ def check_send_recv_ring(device, group=None):
     g = group or dist.group.WORLD
     mine = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
     if n == 1:  # a ring of one: gloo cannot send to itself, and the left neighbour is you
-        return mine.clone(), mine
+        return mine, mine.clone(), mine
     got = torch.empty_like(mine)
     ops = [
         dist.P2POp(dist.isend, mine, dist.get_global_rank(g, (r + 1) % n), group),
@@ -130,7 +135,95 @@ def check_send_recv_ring(device, group=None):
     ]
     for work in dist.batch_isend_irecv(ops):  # posted together: no rank waits for another
         work.wait()
-    return got, torch.full_like(got, float((r - 1) % n))
+    return mine, got, torch.full_like(got, float((r - 1) % n))
+
+
+def check_reduce(device, group=None):
+    # like all_reduce, but only the destination (the last rank) receives the sum; the others'
+    # buffers are scratch space afterwards (gloo may leave partial sums in them): not compared
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    dst = n - 1
+    t = torch.full((N_ELEMS,), float(r + 1), device=device, dtype=torch.float64)
+    before = t.clone()
+    dist.reduce(t, dst=dist.get_global_rank(group or dist.group.WORLD, dst), group=group)
+    if r != dst:
+        return before, None, None  # nothing promised here: shown, not checked
+    return before, t, torch.full_like(t, n * (n + 1) / 2)
+
+
+def check_gather(device, group=None):
+    # all_gather to one rank: the destination gets (n, N_ELEMS), row k from rank k
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    dst = n - 1
+    mine = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(n)] if r == dst else None
+    dist.gather(mine, out, dst=dist.get_global_rank(group or dist.group.WORLD, dst), group=group)
+    if r != dst:
+        return mine, None, None
+    expected = torch.arange(n, device=device, dtype=torch.float64)[:, None].expand(n, N_ELEMS)
+    return mine, torch.stack(out), expected
+
+
+def check_scatter(device, group=None):
+    # the inverse of gather: the source (the last rank) holds n rows, row k goes to rank k
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    src = n - 1
+    rows = [torch.full((N_ELEMS,), 10.0 * k, device=device, dtype=torch.float64) for k in range(n)]
+    out = torch.full((N_ELEMS,), -1.0, device=device, dtype=torch.float64)
+    before = torch.stack(rows) if r == src else out.clone()
+    dist.scatter(
+        out,
+        rows if r == src else None,
+        src=dist.get_global_rank(group or dist.group.WORLD, src),
+        group=group,
+    )
+    return before, out, torch.full_like(out, 10.0 * r)
+
+
+def check_tensor_forms(device, group=None):
+    # the one-tensor forms FSDP and ZeRO use (no Python lists of n tensors): all_gather_single
+    # (called all_gather_into_tensor until torch 2.12) concatenates along dim 0, and
+    # reduce_scatter_single (reduce_scatter_tensor) reduces and keeps this rank's dim-0 slice.
+    # Together, as in AR == RS + AG: (n*N,) -> RS -> (N,) -> AG -> (n*N,) = the all-reduce
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    x = torch.arange(n * N_ELEMS, device=device, dtype=torch.float64) + r  # (n*N,)
+    shard = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
+    dist.reduce_scatter_single(shard, x, group=group)  # (n*N,) -> (N,): slice r, summed
+    full = torch.empty(n * N_ELEMS, device=device, dtype=torch.float64)
+    dist.all_gather_single(full, shard, group=group)  # (N,) -> (n*N,)
+    expected = n * torch.arange(n * N_ELEMS, device=device, dtype=torch.float64) + n * (n - 1) / 2
+    return x, full, expected
+
+
+def check_async_all_reduce(device, group=None):
+    # async_op=True returns a Work handle at once; the buffer is only valid after wait().
+    # Day 17's DDP overlap is exactly this: launch, keep computing, wait before the optimizer.
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    t = torch.full((N_ELEMS,), float(r + 1), device=device, dtype=torch.float64)
+    before = t.clone()
+    work = dist.all_reduce(t, group=group, async_op=True)  # returns before the sum is done
+    local = (before * 2).sum()  # work that needs no communication, meanwhile
+    work.wait()  # from here on t holds the sum (on a GPU: the current stream waits for it)
+    assert work.is_completed() and local.item() == 2 * N_ELEMS * (r + 1)
+    return before, t, torch.full_like(t, n * (n + 1) / 2)
+
+
+def check_barrier(device, group=None):
+    # no data: every rank leaves the barrier after the last one arrived. Rank r arrives r x 20 ms
+    # late; the latest arrival must come before the earliest departure (one host's clock)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    time.sleep(0.02 * r)
+    arrived = time.time()
+    dist.barrier(group=group)
+    left = time.time()
+    times = [torch.zeros(2, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(times, torch.tensor([arrived, left], dtype=torch.float64), group=group)
+    last_arrival = max(t[0].item() for t in times)
+    first_departure = min(t[1].item() for t in times)
+    gathered = all(t[0].item() > 0 for t in times)  # every rank's times arrived
+    before = torch.tensor([arrived - times[0][0].item()], dtype=torch.float64)
+    ok = torch.tensor([float(gathered and first_departure >= last_arrival)], dtype=torch.float64)
+    return before, ok, torch.ones(1, dtype=torch.float64)
 
 
 CHECKS = {
@@ -143,6 +236,12 @@ CHECKS = {
     "AR == RS + AG": check_all_reduce_is_reduce_scatter_plus_all_gather,
     "all_to_all": check_all_to_all,
     "send/recv ring": check_send_recv_ring,
+    "reduce": check_reduce,
+    "gather": check_gather,
+    "scatter": check_scatter,
+    "tensor forms (RS + AG single)": check_tensor_forms,
+    "async all_reduce + wait": check_async_all_reduce,
+    "barrier": check_barrier,
 }
 
 
@@ -156,18 +255,42 @@ def even_odd_groups():
     )
 
 
-def run_all(device, sub_groups: bool = True) -> list[tuple[str, bool]]:
-    """Every check on the world group, then every check inside this rank's even/odd sub-group."""
+def passed(got, expected) -> bool:
+    """A check's verdict on one rank; None means the collective promises this rank nothing."""
+    return got is None or torch.equal(got, expected)
+
+
+def run_all(device, sub_groups: bool = True) -> list[tuple]:
+    """Every check on the world group, then every check inside this rank's even/odd sub-group:
+    (name, passed, before, after) per check, the tensors on the CPU for --show."""
     results = []
-    for name, check in CHECKS.items():
-        got, expected = check(device)
-        results.append((name, torch.equal(got, expected)))
+    groups = [(None, "")]
     if sub_groups and dist.get_world_size() >= 2:
-        sub, label = even_odd_groups()
+        groups.append((even_odd_groups()[0], " [sub-group]"))
+    for group, suffix in groups:
         for name, check in CHECKS.items():
-            got, expected = check(device, group=sub)
-            results.append((f"{name} [sub-group]", torch.equal(got, expected)))
+            before, got, expected = check(device, group=group)
+            after = None if got is None else got.cpu()
+            results.append((name + suffix, passed(got, expected), before.cpu(), after))
     return results
+
+
+def _fmt(t) -> str:
+    if t is None:
+        return "(nothing: not the destination)"
+    values = ", ".join(f"{v:g}" for v in t.flatten().tolist())
+    return f"{tuple(t.shape)} [{values}]"
+
+
+def show(all_ranks: list) -> None:
+    """Rank 0 prints every rank's tensor before and after each world-group collective."""
+    for i, (name, *_) in enumerate(all_ranks[0]):
+        if name.endswith("[sub-group]"):
+            continue
+        print(f"{name}:")
+        for rank, results in enumerate(all_ranks):
+            _, _, before, after = results[i]
+            print(f"  rank {rank}: {_fmt(before)} -> {_fmt(after)}")
 
 
 # Measured on torch 2.13 + gloo (see the notes): these fail, and PREMUL_SUM also leaves the group
@@ -197,6 +320,7 @@ def support_table(backend: str, results: list[tuple[str, bool]]) -> str:
 @dataclass
 class Config:
     sub_groups: bool = True  # also run every check inside the even- and odd-rank sub-groups
+    show: bool = False  # print every rank's tensors before and after each collective
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,16 +334,18 @@ def main(argv: list[str] | None = None) -> None:
     results = run_all(info.device, cfg.sub_groups)
     all_ranks: list = [None] * info.world_size
     dist.all_gather_object(all_ranks, results)  # a check passes only if it passed on every rank
-    passed = [all(rank_results[i][1] for rank_results in all_ranks) for i in range(len(results))]
-    for (name, _), ok in zip(results, passed):
+    ok_all = [all(rank_results[i][1] for rank_results in all_ranks) for i in range(len(results))]
+    if cfg.show and info.is_main:
+        show(all_ranks)
+    for (name, *_), ok in zip(results, ok_all):
         dtl_dist.print0(f"  {'ok  ' if ok else 'FAIL'} {name}")
-    dtl_dist.print0(support_table(info.backend, [(n, ok) for (n, _), ok in zip(results, passed)]))
+    dtl_dist.print0(support_table(info.backend, [(r[0], ok) for r, ok in zip(results, ok_all)]))
     dtl_dist.print0(
-        f"summary: collectives {sum(passed)}/{len(passed)} checks passed "
+        f"summary: collectives {sum(ok_all)}/{len(ok_all)} checks passed "
         f"on {info.world_size} ranks ({info.backend})"
         + (", even/odd sub-groups included" if cfg.sub_groups and info.world_size > 1 else "")
     )
-    failed = not all(passed)
+    failed = not all(ok_all)
     dtl_dist.cleanup()
     if failed:
         raise SystemExit(1)

@@ -133,7 +133,10 @@ def main() -> None:
             loss = train_step(model, optimizer, x.to(info.device), y.to(info.device))
             step += 1
             if step % cfg.log_every == 0 or step == steps:
-                log.log(step, loss=loss.item(), dt_s=time.monotonic() - t0, epoch=epoch)
+                # each rank's loss is over its own half of the batch: log their mean (one
+                # all-reduce of a number, on logging steps only), the loss of the global batch
+                mean = dtl_dist.all_reduce_scalar(loss.item(), average=True)
+                log.log(step, loss=mean, dt_s=time.monotonic() - t0, epoch=epoch)
         acc = evaluate(
             model.module, test_x, mnist["test_labels"], info.rank, info.world_size, info.device
         )
