@@ -17,6 +17,7 @@ torch's C++ Reducer (torch/csrc/distributed/c10d/reducer.cpp), which these class
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -96,9 +97,10 @@ class _GradSync(nn.Module):
         self._futures: list = []
         self.stats = CommStats()
         self._broadcast_from_rank0()
+        self._hooks = []
         for i, p in enumerate(self.params):
             # fires after p.grad has been accumulated: the post-hook DDP puts on AccumulateGrad
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -129,9 +131,21 @@ class _GradSync(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the module keeps working, unsynchronized)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def _make_hook(self, i: int):
+        # the hook lives on the parameter; a weak reference back to the sync keeps the
+        # parameter -> hook -> sync -> module -> parameter loop out of the garbage collector,
+        # so the sync dies with its last reference, not at interpreter shutdown
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not self._armed:  # no_sync: the grad just accumulates in p.grad
+            self = ref()
+            if self is None or not self._armed:  # no_sync: the grad accumulates in p.grad
                 return
             if not self._queued:  # run _finalize once the whole backward graph is done
                 self._queued = True
@@ -155,6 +169,11 @@ class _GradSync(nn.Module):
         self.reduce_and_wait()
         self.stats.blocked_s = time.perf_counter() - self.stats.compute_end
         self._armed = self._queued = False
+        # the sync is finished: drop its futures (and the gloo work they hold). Kept until the
+        # next backward, they outlived destroy_process_group() in a script's last step and were
+        # destroyed during interpreter shutdown, which aborted the process ("terminate called
+        # without an active exception") in about 1 of 8 exits
+        self._futures = []
 
     def _all_reduce_async(self, flat: torch.Tensor, bucket: int | None = None):
         """Launch a SUM all-reduce of `flat` in place; the returned future also stamps its end."""
