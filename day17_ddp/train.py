@@ -33,7 +33,7 @@ from dtl.comm import BUSBW_FACTOR
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, loss_fn, preset
-from dtl.profile import StepTimes, overlap_fraction
+from dtl.profile import StepTimes, overlap_fraction, quiet_native_stderr
 from dtl.testing import replica_gap
 
 
@@ -185,8 +185,12 @@ def _param_names(gpt) -> list[str]:
 def profiled_step(model, opt, tokens, cfg, step, info) -> tuple[StepTimes, float]:
     """The same step under torch.profiler; rank R writes traces/rank<R>.json."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        row = train_step(model, opt, tokens, cfg, step, info)
+    prof = profile(activities=acts)
+    with quiet_native_stderr():  # kineto's start/stop lines would split the step log
+        prof.start()
+    row = train_step(model, opt, tokens, cfg, step, info)
+    with quiet_native_stderr():
+        prof.stop()
     os.makedirs(os.path.join(cfg.out_dir, "traces"), exist_ok=True)
     prof.export_chrome_trace(trace_path(cfg, info.rank))
     return row

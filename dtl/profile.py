@@ -128,6 +128,26 @@ def overlap_fraction(comm_span_ms: float, blocked_ms: float) -> float:
     return min(1.0, max(0.0, (comm_span_ms - blocked_ms) / comm_span_ms))
 
 
+@contextmanager
+def quiet_native_stderr():
+    """Silence what C++ writes to stderr (fd 2) inside the block: torch.profiler's start and
+    stop each print a `USDT: ... profiler_start/stop` line from libkineto on every rank, which
+    lands in the middle of a lesson's step log. Python's own sys.stderr is left alone."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
 # --- traces ----------------------------------------------------------------------------------
 
 # the collective a trace event name stands for; checked in order, first match wins

@@ -113,3 +113,15 @@ def test_a_real_gloo_trace_yields_every_collective_call_in_order(tmp_path):
         # gloo's worker runs reduce_scatter_tensor as an all_reduce: no reduce_scatter work span
         assert {"all_reduce", "all_gather", "all_to_all", "broadcast", p2p} <= set(work)
         assert compute == ["aten::mm"] and first == 0.0
+
+
+def test_quiet_native_stderr_silences_fd_2_only_inside_the_block(capfd):
+    import os
+
+    from dtl.profile import quiet_native_stderr
+
+    with quiet_native_stderr():
+        os.write(2, b"USDT: profiler_start\n")  # what C++ code writes
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "after" in err
