@@ -211,7 +211,11 @@ def part_traces(cfg: Config) -> str:
                 f"measured idle {measured:.3f} (the run's clock): "
                 f"{abs(trace_idle - measured) / measured:.1%} apart"
             )
-            part += f", idle {trace_idle:.3f} (trace) vs {measured:.3f} (run)"
+            close = abs(trace_idle - measured) <= 0.10 * measured
+            part += (
+                f", idle {trace_idle:.3f} (trace) vs {measured:.3f} (run): within 10% "
+                f"{'yes' if close else 'NO'}"
+            )
         parts.append(part)
     path = os.path.join(cfg.out_dir, "breakdown.png")
     trace_analysis.plot(

@@ -112,9 +112,11 @@ def test_breakdown_of_a_hand_made_trace(tmp_path):
     assert b.not_computing == pytest.approx(0.3) and b.hidden_share == pytest.approx(0.5)
 
 
-def test_real_cpu_traces_naive_no_overlap_bucket_some_and_1f1b_idle_equals_the_runs_own(tmp_path):
+def test_real_cpu_traces_naive_sync_hides_nothing_and_bucketed_sync_some(tmp_path):
+    # day 20's 1F1B trace against its own measured idle: the registered `traces` line, whose
+    # smoke run profiles pp_1f1b and must print "within 10% yes" (tests/test_lessons.py)
     out = {}
-    for name in ("ddp_naive", "ddp_bucket", "pp_1f1b"):
+    for name in ("ddp_naive", "ddp_bucket"):
         output, trace_dir = bench.profile_run(name, str(tmp_path))
         ranks = [trace_analysis.breakdown(trace_path(trace_dir, r)) for r in (0, 1)]
         out[name] = (output, ranks)
@@ -124,10 +126,6 @@ def test_real_cpu_traces_naive_no_overlap_bucket_some_and_1f1b_idle_equals_the_r
     assert all(b.hidden_share < 0.02 for b in naive), [b.line() for b in naive]
     hidden = sum(b.hidden_ms for b in bucket) / sum(b.comm_ms for b in bucket)
     assert hidden > 0.05, [b.line() for b in bucket]
-    output, ranks = out["pp_1f1b"]
-    measured = float(output.split("measured idle ")[1].split()[0])
-    traced = sum(b.not_computing for b in ranks) / 2
-    assert abs(traced - measured) <= 0.10 * measured, (traced, measured)
 
 
 def test_nvtx_ranges_only_where_cuda_is(monkeypatch):
