@@ -36,13 +36,9 @@ import time
 from dataclasses import dataclass
 
 from dtl import config as dtl_config
+from dtl.registry import child_env
 
 DRILLS = ("kill_rank", "kill_during_save", "corrupt_shard", "elastic")
-# what torchrun puts in a worker's environment: a job started from here must not inherit it
-TORCHRUN_VARS = re.compile(
-    r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|"
-    r"ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC\w*)$"
-)
 
 
 @dataclass
@@ -98,10 +94,7 @@ class Run:
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not TORCHRUN_VARS.match(k)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra)
-    return env
+    return child_env(**extra)  # the parent torchrun's variables removed (dtl.registry)
 
 
 def torchrun(launch: list[str], train: list[str], out_dir: str, timeout_s=180, env=None) -> Run:

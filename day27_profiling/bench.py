@@ -32,6 +32,7 @@ from dtl import config as dtl_config
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import peak_flops
 from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.registry import child_env
 
 RUNS = {  # name -> (module, args): the runs part=traces profiles
     "ddp_naive": ("day17_ddp.train", ["--sync=naive", "--profile_step=-1", "--steps=4"]),
@@ -160,16 +161,7 @@ def profile_run(name: str, out_dir: str, active_step: int = 2) -> tuple[str, str
     """Run RUNS[name] on 2 ranks under profile.py; returns (its output, its trace folder)."""
     module, args = RUNS[name]
     trace_dir = os.path.join(out_dir, "traces", name)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not re.match(
-            r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|"
-            r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|ROLE_\w+|GROUP_\w+)$",
-            k,
-        )
-    }
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = child_env()  # a torchrun job inside this one: the parent's variables removed
     cmd = [
         sys.executable,
         "-m",

@@ -154,6 +154,22 @@ def run_env() -> dict[str, str]:
     return env
 
 
+# what torchrun puts in a worker's environment: a job a worker starts must not inherit it, or the
+# child's torchrun/init_process_group would join the parent's job
+TORCHRUN_VARS = re.compile(
+    r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_\w+|ROLE_\w+|MASTER_ADDR|MASTER_PORT|"
+    r"TORCHELASTIC_\w+|TORCH_NCCL_ASYNC\w*)$"
+)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """run_env() for a torchrun job started from inside another one (drills, profilers): the
+    parent's torchrun variables removed, `extra` added."""
+    env = {k: v for k, v in run_env().items() if not TORCHRUN_VARS.match(k)}
+    env.update(extra)
+    return env
+
+
 def execute(lesson: Lesson, run: Run, gpu: bool = False, extra_args: str = "") -> Result:
     line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
     start = time.monotonic()
