@@ -20,16 +20,20 @@ NVLINK_H100_GBS = (
 IB_NDR_GBS = 50.0  # one 400 Gb/s NDR InfiniBand port per GPU
 
 
+def block_params(cfg: GPTConfig, t: int) -> int:
+    """Parameters of one transformer block on one TP rank."""
+    C, b = cfg.n_embd, int(cfg.bias)
+    split = (3 * C * C + 3 * C * b) + C * C + (4 * C * C + 4 * C * b) + 4 * C * C
+    replicated = 2 * C * (1 + b) + C * b + C * b  # ln_1, ln_2, the two row-parallel biases
+    return split // t + replicated
+
+
 def params_per_rank(cfg: GPTConfig, t: int) -> int:
     """Parameters one TP rank holds (the vocabulary padded to a multiple of t)."""
     C, L, b = cfg.n_embd, cfg.n_layer, int(cfg.bias)
     V = pad_vocab_size(cfg.vocab_size, 1, t)
-    ln = C * (1 + b)
-    split = (3 * C * C + 3 * C * b) + C * C + (4 * C * C + 4 * C * b) + 4 * C * C
-    replicated = 2 * ln + C * b + C * b  # ln_1, ln_2, the two row-parallel biases
-    per_block = split // t + replicated
     vocab = V * C // t * (1 if cfg.tie_weights else 2)
-    return L * per_block + vocab + cfg.block_size * C + ln
+    return L * block_params(cfg, t) + vocab + cfg.block_size * C + C * (1 + b)
 
 
 def comm_elements_per_step(cfg: GPTConfig, tokens: int) -> dict[str, int]:

@@ -61,6 +61,10 @@ _OPS = {
 }
 
 
+def _group_key(group) -> int:
+    return id(dist.group.WORLD if group is None else group)
+
+
 class CommCounter:
     """Counts calls and bytes (S, the collective's data size) per kind of collective."""
 
@@ -70,6 +74,7 @@ class CommCounter:
         self.bytes: Counter = Counter()
         self.ring_bytes: Counter = Counter()  # bytes x factor(size of the call's group), per call
         self.world: dict[str, int] = {}  # the group size last seen for each kind
+        self.group_ring_bytes: Counter = Counter()  # id(group) -> ring bytes of calls on it
         self._saved: dict[str, object] = {}
 
     def _matches(self, group) -> bool:
@@ -86,6 +91,7 @@ class CommCounter:
             self.bytes[kind] += nbytes
             self.ring_bytes[kind] += nbytes * BUSBW_FACTOR[kind](n)
             self.world[kind] = n
+            self.group_ring_bytes[_group_key(group)] += nbytes * BUSBW_FACTOR[kind](n)
 
     def _wrap(self, name: str, fn):
         kind, data_arg = _OPS[name]
@@ -137,6 +143,12 @@ class CommCounter:
         """Bytes per link if every counted collective runs a bandwidth-optimal ring (each call
         weighted by its own group's size)."""
         return sum(self.ring_bytes[k] for k in ([kind] if kind else list(self.ring_bytes)))
+
+    def ring_bytes_on(self, *groups) -> float:
+        """Ring bytes of the calls made on any of `groups` (process groups; None = the world):
+        what a lesson with several groups (TP, PP, DP) reports per axis."""
+        keys = {_group_key(g) for g in groups}
+        return sum(self.group_ring_bytes[k] for k in keys)
 
     def table(self) -> str:
         rows = [f"{'collective':<16}{'calls':>7}{'bytes (S)':>14}{'ring bytes/rank':>17}"]

@@ -142,6 +142,30 @@ def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
     return t.item() / (dist.get_world_size(group) if average else 1)
 
 
+def average_gradients(params, group=None) -> int:
+    """Data parallelism after the fact: every gradient averaged over `group`, in one all-reduce
+    per dtype (the gradients flattened into one buffer, as a DDP bucket is), for lessons whose
+    backward is not a single call DDP could hook (a pipeline's micro-batches). Returns the bytes
+    all-reduced. Parameters without a gradient are skipped; every rank must hold the same
+    parameters with gradients, in the same order."""
+    n = dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if n == 1 or not grads:
+        return 0
+    sent = 0
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])  # (sum of numels,): one bucket
+        dist.all_reduce(flat, group=group)
+        flat /= n
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
 def exit_with_error(error: Exception | str) -> None:
     """Bad user input: one line `error: ...` on stderr (rank 0), exit code 2 on every rank."""
     if get_rank() == 0:

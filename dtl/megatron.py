@@ -22,12 +22,14 @@ write `device="cuda"`, call `.cuda()`, and keep their RNG streams in the CUDA ge
 CUDA is absent, only for the megatron-core minor version whose source it was read against, and
 undoes every patch on exit, even on an exception.
 
-What the shim does not cover (PLATFORM.md item 5): megatron's own optimizers
-(`megatron.core.optimizer`, the DistributedOptimizer, `clip_grads`) accept a parameter only if
-`param.type()` is one of the "torch.cuda.*Tensor" names, and reject CPU parameters. On a CPU use
-`torch.optim` instead: under megatron's DDP wrapper copy `p.main_grad` into `p.grad` before
-`step()`. (Making `Tensor.type()` answer with CUDA names inside the shim also works, but would lie
-to every other caller, so it is left out until a lesson needs megatron's optimizer.)
+megatron's own optimizers (`megatron.core.optimizer`: the DistributedOptimizer,
+Float16OptimizerWithFloat16Params, `clip_grads`) accept a parameter only if `param.type()` is
+one of the "torch.cuda.*Tensor" names, and reject CPU parameters (PLATFORM.md item 5). That one
+is a separate, narrower shim, `optimizer_shim()`: `Tensor.type()` with no argument answers with
+the CUDA name of a CPU tensor's type, which lies to every other caller, so wrap only the
+optimizer's construction and its `step()` in it. Nothing else in those classes needs CUDA: with
+both shims, megatron's DDP (grad buffers, bucketed all-reduce or reduce-scatter), the
+DistributedOptimizer and grad clipping train on a CPU exactly as one process does (day 22).
 
 megatron-core is imported lazily, inside the functions: this module imports without it.
 """
@@ -263,6 +265,27 @@ def cpu_shim() -> Iterator[None]:
         # 4. The pipeline schedules write `torch.zeros(..., device="cuda")` and call `.cuda()`
         #    on tensors; a TorchFunctionMode sees those calls and keeps them on the CPU.
         patches.enter_context(_CudaToCpuMode())
+        yield
+
+
+@contextlib.contextmanager
+def optimizer_shim() -> Iterator[None]:
+    """While active (and only without CUDA), `tensor.type()` of a CPU tensor says
+    "torch.cuda.FloatTensor" (and so on) instead of "torch.FloatTensor": the one check that
+    stops megatron's optimizers on a CPU. Calls with a dtype argument are untouched."""
+    if torch.cuda.is_available():
+        yield
+        return
+    check_shim_version()
+    original = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu" or ".cuda." in name:
+            return name  # a cast, a real device tensor, or already answered (nested modes)
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    with _patched(torch.Tensor, "type", cuda_type_name):
         yield
 
 

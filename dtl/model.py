@@ -359,6 +359,22 @@ def materialize(
     return module
 
 
+def optimizer_groups(params, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups for a module (or a list of parameters): weight decay on matrices
+    (and embeddings), none on biases and LayerNorm weights, the rule of Megatron
+    (`len(param.shape) == 1 or name.endswith(".bias")` gets wd_mult 0) and nanoGPT (`p.dim() >= 2`
+    decays). A tied weight is listed once."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------
 
 

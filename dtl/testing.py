@@ -160,12 +160,17 @@ def reference_train(
     optimizer: torch.optim.Optimizer,
     steps: int,
     loss: Callable = default_loss,
+    *,
+    clip_grad: float | None = None,
+    grad_norms: list[float] | None = None,
 ) -> list[float]:
     """`steps` plain training steps: the loop every parallel run is compared with.
 
     `batch(step)` returns that step's (x, y). In one process it is the *global* batch (what all
     ranks see together); a data-parallel rank may run this same loop on its own slice, with a
     wrapped model, and must end where the one-process run ends. Returns the losses.
+    `clip_grad`: clip the global gradient norm to it before each step (Megatron's and nanoGPT's
+    clip_grad); `grad_norms`, if given, receives each step's norm before clipping.
     """
     losses = []
     for step in range(steps):
@@ -173,6 +178,11 @@ def reference_train(
         optimizer.zero_grad(set_to_none=True)
         value = loss(model, x, y)
         value.backward()
+        if clip_grad is not None or grad_norms is not None:
+            limit = clip_grad if clip_grad else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
         optimizer.step()
         losses.append(value.item())
     return losses
@@ -188,22 +198,34 @@ def one_process_gpt(
     seed: int = 0,
     lr: float = 1e-3,
     make_optimizer: Callable | None = None,
+    weight_decay: float | None = None,
+    eps: float = 1e-8,
+    clip_grad: float | None = None,
+    grad_norms: list[float] | None = None,
 ):
     """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
     the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
-    the same rows the ranks split among themselves). AdamW(lr) unless `make_optimizer(params)`
-    is given. Returns (losses, the trained model)."""
+    the same rows the ranks split among themselves). The optimizer: `make_optimizer(params)` if
+    given; else AdamW(lr, eps), with torch's default decay (0.01 on every parameter, what the
+    days' scripts use) or, given `weight_decay`, decay on the matrices only
+    (dtl.model.optimizer_groups, Megatron's rule). `clip_grad` and `grad_norms` as in
+    reference_train. Returns (losses, the trained model)."""
     from dtl.data import get_batch
-    from dtl.model import GPT
+    from dtl.model import GPT, optimizer_groups
 
     gpt = GPT(model_cfg, seed=seed)
-    params = gpt.parameters()
-    opt = make_optimizer(params) if make_optimizer else torch.optim.AdamW(params, lr=lr)
+    if make_optimizer:
+        opt = make_optimizer(gpt.parameters())
+    elif weight_decay is None:
+        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps)
+    else:
+        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps)
 
     def batch(step):
         return get_batch(tokens, seq_len, rows, seed=seed, step=step)
 
-    return reference_train(gpt, batch, opt, steps), gpt
+    losses = reference_train(gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms)
+    return losses, gpt
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""Day 22: what a layout costs one rank, by formula: parameters, state bytes, bytes sent per step
+along each axis, and the pipeline bubble. train_megatron.py, train_4d.py and sweep.py print these
+beside what they measure; the pieces come from the days that taught them.
+
+Per rank, fp32 (e = 4 bytes), a step of m micro-batches of b sequences of s tokens, C = n_embd,
+L layers over pp stages, V the vocabulary, t = tp, n = dp x cp:
+
+    parameters    L/pp blocks of day 19's TP shard (block_params), + V·C/t + s_max·C on the
+                  first stage (wte, wpe), + the final LayerNorm and (tied, pp > 1) a copy of
+                  the V·C/t output layer on the last stage
+    state         params e·P, grads e·P, Adam's m and v 2e·P (divided by n with Megatron's
+                  distributed optimizer, which shards them over the data-parallel ranks)
+    tp            day 19: per micro-batch, 4 all-reduces of b·s·C per block, 1 for the embedding
+                  (first stage), 1 for the output layer and 3·b·s numbers for the loss (last),
+                  each 2(t-1)/t of the message per rank
+    cp            day 21: ring attention, per layer and micro-batch (ring_layer_bytes)
+    pp            day 20: per micro-batch one (b, s, C) activation to the next stage and one
+                  gradient back, for each of this rank's v chunks that has a neighbour; plus the
+                  tied embedding's gradient all-reduced between the first and last stage
+    dp            the gradients all-reduced over dp x cp: 2(n-1)/n · e·P
+    bubble        (p-1)/(v·m + p-1) of the step (day 20's bubble_formula)
+"""
+
+from __future__ import annotations
+
+from day19_tp.formulas import block_params, ring_bytes
+from day20_pp.schedules import bubble_formula
+from day21_sp_cp import formulas as sp_cp
+from day22_megatron.layouts import Layout
+from dtl.model import GPTConfig
+
+FP32 = 4
+ADAM_STATES = 2  # m and v, fp32
+
+
+def _ends(lay: Layout, pp_rank: int) -> tuple[bool, bool]:
+    return pp_rank == 0, pp_rank == lay.pp - 1
+
+
+def params_per_rank(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
+    """Parameters one rank holds (stage pp_rank's layers, its TP shard)."""
+    C, t = cfg.n_embd, lay.tp
+    first, last = _ends(lay, pp_rank)
+    n = cfg.n_layer // lay.pp * block_params(cfg, t)
+    vocab = cfg.vocab_size * C // t
+    if first:
+        n += vocab + cfg.block_size * C  # wte (vocab-parallel) and wpe
+    if last:
+        n += C * (1 + int(cfg.bias))  # ln_f
+        if not cfg.tie_weights or lay.pp > 1:
+            n += vocab  # an output layer of its own (or the last stage's copy of wte)
+    return n
+
+
+def state_bytes(
+    cfg: GPTConfig, lay: Layout, pp_rank: int, distributed_optimizer: bool = False
+) -> dict[str, float]:
+    """params / grads / optimizer bytes on one rank, fp32 training with Adam."""
+    P = params_per_rank(cfg, lay, pp_rank)
+    shards = lay.dp * lay.cp if distributed_optimizer else 1
+    return {
+        "params": FP32 * P,
+        "grads": FP32 * P,
+        "optim": ADAM_STATES * FP32 * P / shards,
+    }
+
+
+def comm_bytes(
+    cfg: GPTConfig,
+    lay: Layout,
+    pp_rank: int,
+    *,
+    micro_batch_size: int,
+    microbatches: int,
+    seq_len: int,
+    sp: bool = False,
+) -> dict[str, float]:
+    """Bytes one rank sends in one training step along each axis (ring-equivalent: what a
+    bandwidth-optimal ring sends per rank, as dtl.comm.CommCounter.ring_bytes_per_rank)."""
+    b, m, C, e = micro_batch_size, microbatches, cfg.n_embd, FP32
+    s_rank = seq_len // lay.cp  # the tokens of one row this rank holds
+    tok = b * s_rank
+    first, last = _ends(lay, pp_rank)
+    layers = cfg.n_layer // lay.pp
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    if lay.tp > 1 and sp:  # day 21: SP's all-gathers and reduce-scatters, per micro-batch
+        out["tp"] = m * sum(sp_cp.sp_step_bytes(cfg, b, s_rank, lay.tp, e).values())
+    elif lay.tp > 1:
+        elements = 4 * layers * tok * C + first * tok * C + last * (tok * C + 3 * tok)
+        out["tp"] = ring_bytes(m * elements, e, lay.tp)
+    if lay.cp > 1:
+        per_layer = sp_cp.ring_layer_bytes(b, seq_len, C, lay.cp, lay.tp, e)
+        out["cp"] = m * layers * sum(per_layer.values())
+    if lay.pp > 1:
+        sends = 2 * lay.vpp - first - last  # activations forward and gradients back
+        out["pp"] = sends * m * tok * C * e
+        if cfg.tie_weights and (first or last):  # wte and its copy: all-reduce over 2 ranks
+            out["pp"] += ring_bytes(cfg.vocab_size * C // lay.tp, e, 2)
+    out["dp"] = ring_bytes(params_per_rank(cfg, lay, pp_rank), e, lay.dp * lay.cp)
+    return out
+
+
+def bubble(lay: Layout, microbatches: int) -> float:
+    """The idle fraction of a step: (p-1)/(v·m + p-1); 0 without pipelining."""
+    if lay.pp == 1:
+        return 0.0
+    name = "interleaved" if lay.vpp > 1 else "1f1b"
+    return bubble_formula(name, lay.pp, microbatches, lay.vpp)

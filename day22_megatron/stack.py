@@ -1,0 +1,185 @@
+"""Our own 4-D stack: the earlier days' `apply_<x>` functions composed on the shared GPT, in
+torchtitan's order, over one ParallelGrid(dp, pp, cp, tp).
+
+    stack = build_stack(cfg, grid, micro_batch_size=1, microbatches=4, seq_len=32)
+    loss = forward_backward(stack, micro_batches)     # grads in the parameters, per rank
+    sync_gradients(stack)                             # DP: averaged over dp x cp
+    norm = clip_gradients(stack, 1.0)                 # the dense model's norm, from the shards
+    stack.optimizer.step(); stack.optimizer.zero_grad(set_to_none=True)
+
+The order and what each step leaves for the next:
+    1. apply_tp (day 19)   the TP plan's modules become column/row/vocab-parallel shards over
+                           grid.tp_group; the loss becomes the vocab-parallel cross-entropy
+    2. apply_sp (day 21)   optional: TP's replicated activations split over the same group
+    3. apply_cp (day 21)   attention becomes ring (or Ulysses) attention over grid.cp_group; a
+                           batch row is cut into this rank's T/cp tokens and their positions
+    4. apply_pp (day 20)   the model is cut into this rank's stages; a schedule's action list
+                           runs every micro-batch's forward and backward, p2p between stages
+    5. DP                  every gradient averaged over dp x cp (dtl.dist.average_gradients),
+                           once per step, after the pipeline's last backward
+Two combinations are refused: CP or SP under PP. Day 20's runner allocates (B, T, C) receive
+buffers and passes no position ids, so a stage cannot take T/cp (or T/tp) tokens; megatron-core
+(train_megatron.py) runs SP with PP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from day19_tp.tp import apply_tp, full_tensors, tp_loss
+from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
+from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
+from day21_sp_cp.sp import apply_sp
+from day22_megatron.layouts import LayoutError
+from dtl.dist import average_gradients
+from dtl.model import GPT, GPTConfig, loss_fn, optimizer_groups, tp_shard_of
+
+
+@dataclass
+class Stack:
+    grid: object
+    gpt: GPT  # the model after TP / SP / CP (every stage is a copy of it, cut)
+    pipeline: Pipeline | None  # None when pp == 1
+    params: list  # this rank's parameters, each once
+    named: dict  # one-process name -> parameter, this rank's (a tied lm_head under its name)
+    loss: Callable  # (logits, targets) -> mean loss: vocab-parallel under TP
+    optimizer: torch.optim.Optimizer
+    record: object = None  # the pipeline's StepRecord of the last step (spans, in-flight)
+
+
+def check_stack(cfg: GPTConfig, grid, *, seq_len: int, attn: str, sp: bool) -> None:
+    if grid.pp_size > 1 and (grid.cp_size > 1 or sp):
+        raise LayoutError(
+            "this stack runs CP and SP without PP only: day 20's pipeline passes (B, T, C) "
+            "activations and no position ids (megatron-core's train_megatron.py has SP x PP)"
+        )
+    check_cp(cfg.n_head, grid.tp_size, grid.cp_size, seq_len, attn, sp)
+
+
+def build_stack(
+    cfg: GPTConfig,
+    grid,
+    *,
+    micro_batch_size: int,
+    microbatches: int,
+    seq_len: int,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    attn: str = "ring_zigzag",
+    sp: bool = False,
+    seed: int = 0,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    eps: float = 1e-8,
+    device="cpu",
+) -> Stack:
+    check_stack(cfg, grid, seq_len=seq_len, attn=attn, sp=sp)
+    gpt = GPT(cfg, seed=seed).to(device)
+    if grid.tp_size > 1:
+        apply_tp(gpt, grid)
+    if sp:
+        apply_sp(gpt)
+    if grid.pp_size == 1:  # (under PP, cp = 1: nothing to do)
+        apply_cp(gpt, grid, attn)  # cp = 1: the fused kernel stays; it only records model.cp
+    loss = (lambda logits, y: tp_loss(gpt, logits, y)) if grid.tp_size > 1 else loss_fn
+    pipeline = None
+    if grid.pp_size > 1:
+        pipeline = apply_pp(
+            gpt, grid, schedule, microbatches, (micro_batch_size, seq_len), chunks, loss
+        )
+        named = stage_parameters(pipeline.stages)
+        params = pipeline.parameters()
+    else:
+        named = dict(gpt.named_parameters(remove_duplicate=False))
+        params = list(gpt.parameters())
+    optimizer = torch.optim.AdamW(optimizer_groups(params, weight_decay), lr=lr, eps=eps)
+    return Stack(grid, gpt, pipeline, params, named, loss, optimizer)
+
+
+def forward_backward(stack: Stack, micro_batches) -> float | None:
+    """Every micro-batch's forward and backward; gradients accumulate in this rank's params.
+    Returns the step's mean loss where it is known (last pipeline stage), else None."""
+    if stack.pipeline is not None:
+        loss, stack.record = stack.pipeline.step(micro_batches)
+        return loss
+    total = 0.0
+    for x, y in micro_batches:
+        x, y, pos = cp_batch(stack.gpt, x, y)  # (b, T) -> my (b, T/cp) tokens and positions
+        loss = stack.loss(stack.gpt(x, pos), y) / len(micro_batches)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def sync_gradients(stack: Stack) -> int:
+    """DP: each gradient averaged over every rank that holds the same parameters and saw other
+    tokens (dp x cp: CP ranks saw other parts of the same rows). Returns the bytes reduced."""
+    return average_gradients(stack.params, stack.grid.group("dp", "cp"))
+
+
+def _counted_once(name: str, stack: Stack) -> bool:
+    """Does this rank's copy of `name` enter the global gradient norm? TP shards: yes, on every
+    TP rank; replicated tensors (LayerNorms, wpe, row-parallel biases): on TP rank 0 only; a last
+    stage's copy of a tied embedding: no (the first stage's wte stands for both). Megatron's
+    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`."""
+    if name == "lm_head.weight" and stack.gpt.cfg.tie_weights:
+        return False  # wte.weight itself, or a last stage's copy of it
+    module_name, _, kind = name.rpartition(".")
+    shard = tp_shard_of(module_name) if stack.grid.tp_size > 1 else None
+    sharded = shard is not None and not (shard.style == "row" and kind == "bias")
+    return sharded or stack.grid.tp_rank == 0
+
+
+def global_grad_norm(stack: Stack) -> float:
+    """The dense model's gradient norm, computed from the shards: squares summed on each rank
+    over the tensors it counts once, then all-reduced over tp x pp (the model-parallel group)."""
+    sq = torch.zeros(1, dtype=torch.float64, device=stack.params[0].device)
+    for name, p in stack.named.items():
+        if p.grad is not None and _counted_once(name, stack):
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=stack.grid.group("tp", "pp"))
+    return sq.sqrt().item()
+
+
+@torch.no_grad()
+def clip_gradients(stack: Stack, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s rule on the global norm; returns the norm before."""
+    norm = global_grad_norm(stack)
+    if max_norm:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in stack.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
+
+
+def train_step(stack: Stack, micro_batches, clip_grad: float | None = 1.0):
+    loss = forward_backward(stack, micro_batches)
+    sync_gradients(stack)
+    norm = clip_gradients(stack, clip_grad)
+    stack.optimizer.step()
+    stack.optimizer.zero_grad(set_to_none=True)
+    return loss, norm
+
+
+def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
+    """name -> the full dense tensor (or gradient), on every rank: TP shards all-gathered per
+    stage, then the stages' tensors all-gathered over the pipeline. Collective."""
+    modules = stack.pipeline.stages if stack.pipeline is not None else [stack.gpt]
+    mine: dict[str, torch.Tensor] = {}
+    for m in modules:
+        if stack.grid.tp_size > 1:
+            part = full_tensors(m, grads=grads)
+        else:
+            part = {n: (p.grad if grads else p).detach() for n, p in m.named_parameters()}
+        mine.update({n: t.cpu().clone() for n, t in part.items()})
+    if stack.gpt.cfg.tie_weights and "wte.weight" not in mine:
+        mine.pop("lm_head.weight", None)  # a last stage's copy of the tied weight
+    pieces: list = [None] * stack.grid.pp_size
+    dist.all_gather_object(pieces, mine, group=stack.grid.pp_group)
+    return {k: v for piece in pieces for k, v in piece.items()}

@@ -1,0 +1,306 @@
+"""Day 22: our own 4-D stack (days 19-21's TP, SP, CP, day 20's PP, DP) on one ParallelGrid.
+
+CPU (gloo), ~8 s at 4 ranks, ~13 s at 8:
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --tp=2 --pp=2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --tp=2 --cp=2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --pp=2 --chunks=2  # dp 2
+    torchrun --standalone --nproc_per_node=8 -m day22_megatron.train_4d --tp=2 --pp=2  # dp 2
+GPUs (NCCL):
+    torchrun --standalone --nproc_per_node=gpu -m day22_megatron.train_4d --tp=2 --pp=2 \\
+        --config day22_megatron/gpu.toml
+
+Environment: OMP_NUM_THREADS=1 (torchrun's default; ranks share 2 cores here).
+
+The grid is ParallelGrid(dp, pp, cp, tp), TP innermost (Megatron's order, checked equal to
+megatron-core's groups by dtl.megatron). stack.py composes apply_tp -> apply_sp -> apply_cp ->
+apply_pp and averages gradients over dp x cp; the global batch is the same rows megatron-core's
+run and the one-process reference see. Each step prints the loss, the global gradient norm and
+the bytes this rank sent along each axis; then the per-rank state and bytes are printed beside
+formulas.py and the bubble beside (p-1)/(v·m+p-1); at the end rank 0 trains the dense model in
+one process and compares losses, gradient norms and parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from day21_sp_cp.cp import ATTENTION, CPError
+from day22_megatron import formulas, layouts
+from day22_megatron.stack import (
+    build_stack,
+    clip_gradients,
+    forward_backward,
+    full_state,
+    sync_gradients,
+)
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.comm import CommCounter
+from dtl.data import get_batch, load_corpus
+from dtl.dist import ParallelGrid
+from dtl.metrics import StepLogger
+from dtl.model import PRESETS, preset
+from dtl.testing import one_process_gpt, reference_verdict
+
+MB = 1e6
+
+
+@dataclass
+class Config:
+    tp: int = 1  # tensor-parallel size (Megatron's --tensor-model-parallel-size)
+    pp: int = 1  # pipeline-parallel size (--pipeline-model-parallel-size); dp = world/(tp·cp·pp)
+    cp: int = 1  # context-parallel size (--context-parallel-size); not with pp > 1 here
+    chunks: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (Megatron's vpp)
+    sp: bool = False  # sequence parallelism over the TP group (needs tp > 1; not with pp > 1)
+    attn: str = "ring_zigzag"  # attention over cp: ring | ring_zigzag | ulysses
+    model: str = "tiny"  # GPT preset
+    num_layers: int = 0  # 0: the preset's number of layers
+    micro_batch_size: int = 1  # sequences per micro-batch (per DP rank)
+    global_batch_size: int = 8  # sequences per step over all DP ranks
+    seq_len: int = 32  # tokens per sequence
+    steps: int = 4  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 0.1  # on matrices only (dtl.model.optimizer_groups)
+    clip_grad: float = 1.0  # global gradient-norm clip, 0 disables it
+    eps: float = 1e-8  # AdamW epsilon
+    seed: int = 0  # model init and batches
+    check: bool = True  # rank 0 trains the dense model in one process and compares
+    out_dir: str = ""  # empty: outputs/day22_megatron/ours-tp<t>-pp<p>[-vpp<v>][-cp<c>]-dp<d>
+
+    def model_config(self):
+        return preset(self.model, **({"n_layer": self.num_layers} if self.num_layers else {}))
+
+    @property
+    def layout(self) -> layouts.Layout:
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        lay = layouts.Layout.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp)
+        return layouts.Layout(tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp, vpp=self.chunks)
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches(self.global_batch_size, self.micro_batch_size)
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        if self.chunks > 1 and self.pp < 2:
+            raise err(f"--chunks={self.chunks} needs --pp >= 2 (interleaving splits a pipeline)")
+        try:
+            lay = self.layout
+            layouts.check(
+                lay,
+                self.model_config(),
+                micro_batch_size=self.micro_batch_size,
+                global_batch_size=self.global_batch_size,
+                seq_length=self.seq_len,
+                sequence_parallel=self.sp,
+            )
+            if lay.pp > 1 and (lay.cp > 1 or self.sp):
+                raise layouts.LayoutError(
+                    "this stack runs CP and SP without PP only (day 20's pipeline passes no "
+                    "position ids and (B, T, C) activations); megatron-core runs SP x PP"
+                )
+            from day21_sp_cp.cp import check_cp
+
+            check_cp(self.model_config().n_head, lay.tp, lay.cp, self.seq_len, self.attn, self.sp)
+        except (layouts.LayoutError, CPError) as e:
+            raise err(str(e)) from None
+        self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"
+
+
+def micro_batches(tokens, cfg: Config, step: int, grid, device):
+    """This DP rank's rows of the step's global batch, in micro-batches of micro_batch_size."""
+    b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
+    x, y = get_batch(
+        tokens, cfg.seq_len, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+    )  # fmt: skip
+    return [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
+
+
+def axis_groups(stack) -> dict[str, list]:
+    """The process groups each axis's traffic travels on (what CommCounter attributes it by)."""
+    grid = stack.grid
+    pp = [grid.embedding_group]
+    if stack.pipeline is not None:
+        runner = stack.pipeline.runner
+        pp += [runner.act_group, runner.grad_group]
+    return {
+        "tp": [grid.tp_group],
+        "cp": [grid.cp_group],
+        "pp": pp,
+        "dp": [grid.group("dp", "cp")],
+    }
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def state_bytes(stack) -> dict[str, int]:
+    """What this rank holds, counted from the live tensors after an optimizer step (before
+    zero_grad): its parameters, their gradients, Adam's tensors (not its step counters)."""
+    opt_state = stack.optimizer.state.values()
+    return {
+        "params": sum(_nbytes(p) for p in stack.params),
+        "grads": sum(_nbytes(p.grad) for p in stack.params if p.grad is not None),
+        "optim": sum(_nbytes(t) for s in opt_state for t in s.values() if t.dim() > 0),
+    }
+
+
+def run(cfg: Config, info, grid) -> dict:
+    mcfg = cfg.model_config()
+    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    stack = build_stack(
+        mcfg, grid, micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
+        seq_len=cfg.seq_len, schedule="interleaved" if cfg.chunks > 1 else "1f1b",
+        chunks=cfg.chunks, attn=cfg.attn, sp=cfg.sp, seed=cfg.seed, lr=cfg.lr,
+        weight_decay=cfg.weight_decay, eps=cfg.eps, device=info.device,
+    )  # fmt: skip
+    groups = axis_groups(stack)
+    log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch_size * cfg.seq_len)
+    holders = info.world_size // grid.pp_size  # the last stage's ranks hold the loss
+    losses, norms, times, idle, sent, state = [], [], [], [], {}, {}
+    for step in range(cfg.steps):
+        mbs = micro_batches(corpus.train, cfg, step, grid, info.device)
+        dist.barrier()  # every rank starts together: pipeline idle time is the schedule's
+        t0 = time.perf_counter()
+        with CommCounter() as comm:
+            loss = forward_backward(stack, mbs)
+            t_fb = time.perf_counter() - t0
+            sync_gradients(stack)
+            norms.append(clip_gradients(stack, cfg.clip_grad or None))
+        stack.optimizer.step()
+        state = state_bytes(stack)
+        stack.optimizer.zero_grad(set_to_none=True)
+        _sync(info.device)
+        times.append(time.perf_counter() - t0)
+        if stack.pipeline is not None:
+            idle.append(1 - sum(e - s for s, e, _ in stack.record.spans) / t_fb)
+        sent = {axis: comm.ring_bytes_on(*gs) for axis, gs in groups.items()}
+        losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / holders)
+        log.log(
+            step,
+            loss=losses[-1],
+            grad_norm=norms[-1],
+            dt_s=times[-1],
+            **{f"{a}_mb": f"{b / MB:.3f}" for a, b in sent.items() if b},
+        )
+    log.close()
+    return dict(
+        stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
+        state=state, corpus=corpus, full=full_state(stack), device=info.device,
+    )  # fmt: skip
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _close(a: float, b: float, rel: float = 1e-9) -> bool:
+    return abs(a - b) <= rel * max(abs(b), 1.0)
+
+
+def measured_vs_formula(cfg: Config, grid, result: dict) -> tuple[list[str], bool]:
+    """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
+    lay, mcfg = cfg.layout, cfg.model_config()
+    want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank)
+    want_comm = formulas.comm_bytes(
+        mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
+        microbatches=cfg.microbatches, seq_len=cfg.seq_len, sp=cfg.sp,
+    )  # fmt: skip
+    got = {**result["state"], **result["sent"]}
+    want = {**want_state, **want_comm}
+    exact = {k: _close(got[k], want[k]) for k in want}
+    bad = torch.tensor([float(not all(exact.values()))], device=result["device"])
+    dist.all_reduce(bad)
+    lines = [
+        f"  {k:<7}{got[k] / MB:>12.3f}{want[k] / MB:>12.3f}  {'exact' if exact[k] else 'MISMATCH'}"
+        for k in want
+    ]
+    return lines, bad.item() == 0
+
+
+def report(cfg: Config, info, grid, result: dict) -> bool:
+    lay = cfg.layout
+    lines, exact = measured_vs_formula(cfg, grid, result)
+    dtl_dist.print0(
+        "rank 0, per step (MB; state in bytes held, traffic = ring bytes sent per axis):\n"
+        f"  {'what':<7}{'measured':>12}{'formula':>12}\n" + "\n".join(lines)
+    )
+    bubble = ""
+    if lay.pp > 1:
+        steady = result["idle"][1:] or result["idle"]
+        idle = dtl_dist.all_reduce_scalar(sum(steady) / len(steady), average=True)
+        want = formulas.bubble(lay, cfg.microbatches)
+        bubble = f"; pipeline idle {idle:.3f} measured vs bubble formula {want:.3f}"
+        dtl_dist.print0(
+            f"bubble: (p-1)/(v·m+p-1) = {want:.3f} for p={lay.pp}, v={lay.vpp}, "
+            f"m={cfg.microbatches}; measured idle {idle:.3f} (mean over ranks, host clock, real "
+            "stage costs: the last stage also runs the head and the loss)"
+        )
+    verdict, norm_gap = _compare(cfg, info, grid, result)
+    ok = "NO" not in verdict and exact
+    med = sorted(result["times"])[len(result["times"]) // 2] * 1e3
+    dtl_dist.print0(
+        f"summary: day22 ours {lay.name(cfg.sp)} model={cfg.model} schedule={lay.schedule}: "
+        f"{verdict}"
+    )
+    dtl_dist.print0(
+        f"summary: grad norms vs one process: max rel diff {norm_gap:.1e}; state and bytes per "
+        f"axis = formula {'yes' if exact else 'NO'} (all ranks){bubble}; median step {med:.0f} ms"
+    )
+    return ok
+
+
+def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
+    if not cfg.check:
+        return "one-process check skipped (check=false)", float("nan")
+    ref_norms: list[float] = []
+
+    def one_process():
+        losses, gpt = one_process_gpt(
+            cfg.model_config(), result["corpus"].train, seq_len=cfg.seq_len,
+            rows=cfg.global_batch_size, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, eps=cfg.eps, clip_grad=cfg.clip_grad or None,
+            grad_norms=ref_norms,
+        )  # fmt: skip
+        return losses, dict(gpt.named_parameters())
+
+    verdict = reference_verdict(
+        result["losses"], result["full"], one_process, steps=cfg.steps, device=info.device
+    )
+    gap = torch.zeros(1, dtype=torch.float64, device=info.device)
+    if info.rank == 0:
+        gap[0] = max(abs(a - b) / b for a, b in zip(result["norms"], ref_norms))
+    dist.broadcast(gap, src=0)
+    return verdict, gap.item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    lay = cfg.layout
+    grid = ParallelGrid(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp)
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    split = f"; {ATTENTION[cfg.attn]} split" if lay.cp > 1 else ""
+    dtl_dist.print0(
+        f"grid: {grid}{split}; {cfg.microbatches} micro-batches of {cfg.micro_batch_size} per "
+        f"DP rank, schedule {lay.schedule}"
+    )
+    result = run(cfg, info, grid)
+    ok = report(cfg, info, grid, result)
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""Day 22: the shared GPT trained by megatron-core itself: GPTModel, its schedules, DDP, optimizer.
+
+CPU (gloo), 4 ranks, ~15 s (megatron-core's imports are most of it):
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_megatron \\
+        --tensor-model-parallel-size=2 --pipeline-model-parallel-size=2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_megatron \\
+        --pipeline-model-parallel-size=2 --num-layers-per-virtual-pipeline-stage=1 \\
+        --use-distributed-optimizer                         # interleaved 1F1B, ZeRO-1 over dp 2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_megatron \\
+        --tensor-model-parallel-size=2 --sequence-parallel --use-distributed-optimizer
+GPUs (NCCL): the same lines with --nproc_per_node=gpu --config day22_megatron/gpu.toml, or the
+Megatron-LM style scripts in day22_megatron/launch/ (2, 4, 8 GPUs, two nodes).
+
+Environment: OMP_NUM_THREADS=1 (torchrun's default); CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs with
+TP or SP (Megatron sets it so a layer's communication kernels queue in issue order).
+
+The flags are Megatron-LM's (`--tensor-model-parallel-size`, ... written with - or _, with = or
+a space). What runs is megatron-core's own code: `parallel_state` (groups checked equal to
+dtl.dist.ParallelGrid's), `GPTModel` with the local layer spec and the shared GPT's weights
+(megatron_gpt.py converts them), `get_forward_backward_func()` (no pipelining, 1F1B, or
+interleaved 1F1B), `DistributedDataParallel` (gradients in contiguous buffers, all-reduced, or
+reduce-scattered for the distributed optimizer), `finalize_model_grads` (DP sync, tied
+embedding and SP LayerNorm all-reduces), `get_megatron_optimizer` (Adam; with
+--use-distributed-optimizer the DistributedOptimizer, which shards optimizer state like ZeRO-1)
+and `OptimizerParamScheduler`. On a CPU, dtl.megatron's two shims (cpu_shim, optimizer_shim)
+let it run; with CUDA they do nothing. At the end rank 0 trains the dtl GPT in one process on
+the same global batches with torch's AdamW, the same decay groups and clipping, and compares
+losses, gradient norms and parameters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+import dtl.megatron as dm
+from day22_megatron import formulas, layouts
+from day22_megatron.megatron_gpt import build_model_chunks, gather_dense, load_dense
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.dist import ParallelGrid
+from dtl.metrics import StepLogger
+from dtl.model import GPT, PRESETS, preset
+from dtl.testing import one_process_gpt, reference_verdict
+
+
+@dataclass
+class Config:
+    # --tensor-model-parallel-size: ranks that split every layer's matrices (keep it in a node)
+    tensor_model_parallel_size: int = 1
+    # --pipeline-model-parallel-size: ranks that hold consecutive slices of the layers
+    pipeline_model_parallel_size: int = 1
+    # layers per model chunk for interleaved 1F1B (0: one chunk per rank, plain 1F1B)
+    num_layers_per_virtual_pipeline_stage: int = 0
+    sequence_parallel: bool = False  # shard LayerNorm/dropout activations over TP (needs TP > 1)
+    micro_batch_size: int = 1  # sequences per micro-batch (per DP rank)
+    global_batch_size: int = 8  # sequences per step over all DP ranks
+    use_distributed_optimizer: bool = False  # shard Adam state (and fp32 grads) over DP: ZeRO-1
+    model: str = "tiny"  # GPT preset (dtl.model.PRESETS)
+    num_layers: int = 0  # 0: the preset's number of layers
+    seq_length: int = 32  # tokens per sequence
+    train_iters: int = 4  # optimizer steps
+    lr: float = 1e-3  # Adam learning rate (constant: OptimizerParamScheduler, style constant)
+    weight_decay: float = 0.1  # on matrices only (megatron's wd_mult 0 for biases and norms)
+    clip_grad: float = 1.0  # global gradient-norm clip (megatron's default), 0 disables it
+    adam_eps: float = 1e-8  # Adam epsilon (megatron's default)
+    bf16: bool = False  # bf16 parameters, fp32 main params in the optimizer (GPUs)
+    seed: int = 0  # model init and batches
+    check: bool = True  # rank 0 trains the dtl GPT in one process and compares
+    out_dir: str = ""  # empty: outputs/day22_megatron/megatron-tp<t>-pp<p>[-vpp<v>][-sp]-dp<d>
+
+    def model_config(self):
+        overrides = {"n_layer": self.num_layers} if self.num_layers else {}
+        return preset(self.model, **overrides)
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches(self.global_batch_size, self.micro_batch_size)
+
+    @property
+    def layout(self) -> layouts.Layout:
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        return layouts.Layout.from_world(
+            world,
+            tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            layers_per_virtual_stage=self.num_layers_per_virtual_pipeline_stage,
+            n_layer=self.model_config().n_layer,
+        )
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        if importlib.util.find_spec("megatron") is None:
+            raise err("megatron-core is not installed: pip install -e '.[megatron]'")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        cfg = self.model_config()
+        try:
+            lay = self.layout
+            layouts.check(
+                lay,
+                cfg,
+                micro_batch_size=self.micro_batch_size,
+                global_batch_size=self.global_batch_size,
+                seq_length=self.seq_length,
+                sequence_parallel=self.sequence_parallel,
+            )
+        except layouts.LayoutError as e:
+            raise err(str(e)) from None
+        if self.bf16 and not torch.cuda.is_available():
+            raise err("--bf16 is for GPUs here: the CPU run checks fp32 against one process")
+        name = lay.name(self.sequence_parallel)
+        self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"
+
+
+# --- one training step through megatron's schedule ----------------------------------------------
+
+
+def causal_mask(T: int, device) -> torch.Tensor:
+    """megatron's attention mask: True where a query may NOT look (the future), (1, 1, T, T)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1).view(1, 1, T, T)
+
+
+def loss_func(per_token_loss: torch.Tensor):
+    """Mean cross-entropy of one micro-batch. The schedule divides it by the number of
+    micro-batches and DDP by the DP size, so the gradient is the global batch's mean."""
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides in place
+
+
+def make_forward_step(T: int, device):
+    mask = causal_mask(T, device)
+    pos = torch.arange(T, device=device).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        x, y = next(data_iterator)  # (b, T) token ids and targets of one micro-batch
+        return model(x, pos.expand_as(x), mask, labels=y), loss_func
+
+    return forward_step
+
+
+def micro_batches(tokens, cfg: Config, step: int, grid, device):
+    """This DP rank's share of the step's global batch, cut into micro-batches of b rows."""
+    b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
+    x, y = get_batch(
+        tokens, cfg.seq_length, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+    )  # fmt: skip
+    return [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
+
+
+def build(cfg: Config, grid, device):
+    """Megatron's model chunks, DDP wrappers, optimizer and scheduler, from the dtl GPT."""
+    from megatron.core import tensor_parallel as mtp
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    mcfg = cfg.model_config()
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    torch.manual_seed(cfg.seed)
+    mtp.model_parallel_cuda_manual_seed(cfg.seed)  # megatron's per-TP-rank RNG streams
+    chunks = build_model_chunks(
+        mcfg,
+        grid,
+        vpp=cfg.layout.vpp if cfg.layout.vpp > 1 else None,
+        sequence_parallel=cfg.sequence_parallel,
+        params_dtype=dtype,
+        bf16=cfg.bf16,
+    )
+    load_dense(chunks, GPT(mcfg, seed=cfg.seed).state_dict(), mcfg, grid)
+    for chunk in chunks:
+        chunk.to(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer
+    )
+    model = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        bf16=cfg.bf16,
+        params_dtype=dtype,
+    )
+    with dm.optimizer_shim():
+        optimizer = get_megatron_optimizer(opt_config, model)
+    # The scheduler is what applies wd_mult: without it, torch's Adam would decay every group,
+    # biases and LayerNorm weights too (megatron's groups only *record* wd_mult = 0).
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0,
+        lr_decay_steps=cfg.train_iters, lr_decay_style="constant", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant",
+    )  # fmt: skip
+    return chunks, model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, forward_step, mbs, cfg: Config):
+    """One optimizer step: megatron's schedule runs every micro-batch's forward and backward."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for m in model:
+        m.zero_grad_buffer()  # the DDP buffers hold main_grad; zero them, not param.grad
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()  # by parallel_state's pp and vpp sizes
+    iterators = [iter(list(mbs)) for _ in model]  # each chunk reads every micro-batch once
+    outputs = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(mbs),
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        forward_only=False,
+    )  # finalize_model_grads ran at its end: grads synced over DP, tied embeddings summed
+    with dm.optimizer_shim():
+        _, grad_norm, _ = optimizer.step()  # clip by the global norm (over TP x PP), then Adam
+    scheduler.step(increment=1)
+    # the loss exists on the last pipeline stage only (one dict per micro-batch)
+    loss = sum(o["lm loss"].item() for o in outputs) / len(mbs) if outputs else 0.0
+    return loss, grad_norm
+
+
+def run(cfg: Config, info, grid) -> dict:
+    mcfg = cfg.model_config()
+    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    vpp = cfg.layout.vpp if cfg.layout.vpp > 1 else None
+    dm.init_parallel_state(grid, virtual_pipeline_size=vpp)
+    try:
+        with dm.cpu_shim():
+            result = _train(cfg, info, grid, corpus)
+    finally:
+        dm.destroy_parallel_state()
+    result["corpus"] = corpus
+    return result
+
+
+def _train(cfg: Config, info, grid, corpus) -> dict:
+    chunks, model, optimizer, scheduler = build(cfg, grid, info.device)
+    forward_step = make_forward_step(cfg.seq_length, info.device)
+    tokens = cfg.global_batch_size * cfg.seq_length
+    log = StepLogger(cfg.out_dir, cfg.train_iters, tokens_per_step=tokens)
+    last_stage_ranks = info.world_size // grid.pp_size  # dp x cp x tp ranks hold the loss
+    losses, norms, times = [], [], []
+    for step in range(cfg.train_iters):
+        mbs = micro_batches(corpus.train, cfg, step, grid, info.device)
+        _sync(info.device)
+        t0 = time.perf_counter()
+        loss, norm = train_step(model, optimizer, scheduler, forward_step, mbs, cfg)
+        _sync(info.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(dtl_dist.all_reduce_scalar(loss) / last_stage_ranks)
+        norms.append(float(norm))
+        log.log(step, loss=losses[-1], grad_norm=norms[-1], dt_s=times[-1])
+    log.close()
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    full = gather_dense(chunks, cfg.model_config(), grid)
+    return dict(losses=losses, norms=norms, times=times, params=params, full=full)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def report(cfg: Config, info, grid, result: dict) -> bool:
+    lay = cfg.layout
+    mcfg = cfg.model_config()
+    want = formulas.params_per_rank(mcfg, lay, grid.pp_rank)
+    got = torch.tensor([result["params"], want], dtype=torch.float64, device=info.device)
+    mismatched = torch.tensor([float(result["params"] != want)], device=info.device)
+    torch.distributed.all_reduce(mismatched)
+    dtl_dist.print0(
+        f"parameters on rank 0: {int(got[0]):,} held, {int(got[1]):,} by formula "
+        f"(day22_megatron/formulas.py params_per_rank); ranks that differ: {int(mismatched.item())}"
+    )
+    shim = "inactive (CUDA present)" if torch.cuda.is_available() else "active (no CUDA)"
+    dtl_dist.print0(f"dtl.megatron cpu_shim + optimizer_shim: {shim}")
+    verdict, norm_gap = _compare(cfg, info, grid, result)
+    med_ms = sorted(result["times"])[len(result["times"]) // 2] * 1e3
+    ok = "NO" not in verdict and mismatched.item() == 0
+    dtl_dist.print0(
+        f"summary: day22 megatron-core {lay.name(cfg.sequence_parallel)} model={cfg.model} "
+        f"schedule={lay.schedule}: {verdict}"
+    )
+    dtl_dist.print0(
+        f"summary: grad norms (megatron's clip_grad over TP x PP) vs one process: max rel diff "
+        f"{norm_gap:.1e}; params/rank = formula {'yes' if not mismatched.item() else 'NO'}; "
+        f"median step {med_ms:.0f} ms"
+    )
+    return ok
+
+
+def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
+    if not cfg.check:
+        return "one-process check skipped (check=false)", float("nan")
+    ref_norms: list[float] = []
+
+    def one_process():  # rank 0: the dtl GPT, torch's AdamW, the same groups and clipping
+        losses, gpt = one_process_gpt(
+            cfg.model_config(),
+            result["corpus"].train,
+            seq_len=cfg.seq_length,
+            rows=cfg.global_batch_size,
+            steps=cfg.train_iters,
+            seed=cfg.seed,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad or None,
+            grad_norms=ref_norms,
+        )
+        return losses, dict(gpt.named_parameters(remove_duplicate=False))  # lm_head too
+
+    verdict = reference_verdict(
+        result["losses"],
+        result["full"],
+        one_process,
+        steps=cfg.train_iters,
+        device=info.device,
+        optimizer="Adam",
+    )
+    gap = torch.zeros(1, dtype=torch.float64, device=info.device)
+    if info.rank == 0:
+        gap[0] = max(abs(a - b) / b for a, b in zip(result["norms"], ref_norms))
+    torch.distributed.broadcast(gap, src=0)
+    return verdict, gap.item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    lay = cfg.layout
+    grid = ParallelGrid(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    dtl_dist.print0(
+        f"grid: {grid}; {cfg.microbatches} micro-batches of {cfg.micro_batch_size} per DP rank, "
+        f"schedule {lay.schedule}"
+    )
+    result = run(cfg, info, grid)
+    ok = report(cfg, info, grid, result)
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
