@@ -13,7 +13,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtl.model import GPTConfig
+from dtl.model import PRESETS, GPTConfig, pad_vocab_size, preset
+
+
+def padded_preset(name: str, n_layer: int, vocab_multiple: int, tp: int) -> GPTConfig:
+    """A dtl preset with `n_layer` layers (0: the preset's) and its vocabulary padded to a
+    multiple of vocab_multiple x tp (Megatron's --make-vocab-size-divisible-by): the extra rows
+    are never a target, and the one-process reference is built with the same padded config."""
+    cfg = PRESETS[name]
+    return preset(
+        name,
+        n_layer=n_layer or cfg.n_layer,
+        vocab_size=pad_vocab_size(cfg.vocab_size, vocab_multiple, tp),
+    )
 
 
 class LayoutError(ValueError):

@@ -168,8 +168,9 @@ def train_step(stack: Stack, micro_batches, clip_grad: float | None = 1.0):
 
 
 def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
-    """name -> the full dense tensor (or gradient), on every rank: TP shards all-gathered per
-    stage, then the stages' tensors all-gathered over the pipeline. Collective."""
+    """name -> the full dense tensor (or gradient), on every rank, keyed as the one-process GPT's
+    state dict (a tied lm_head.weight is wte.weight): TP shards all-gathered per stage, then the
+    stages' tensors all-gathered over the pipeline. Collective."""
     modules = stack.pipeline.stages if stack.pipeline is not None else [stack.gpt]
     mine: dict[str, torch.Tensor] = {}
     for m in modules:
@@ -182,4 +183,7 @@ def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
         mine.pop("lm_head.weight", None)  # a last stage's copy of the tied weight
     pieces: list = [None] * stack.grid.pp_size
     dist.all_gather_object(pieces, mine, group=stack.grid.pp_group)
-    return {k: v for piece in pieces for k, v in piece.items()}
+    merged = {k: v for piece in pieces for k, v in piece.items()}
+    if stack.gpt.cfg.tie_weights:  # as a state dict lists it: lm_head.weight is wte.weight
+        merged["lm_head.weight"] = merged["wte.weight"]
+    return merged

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from day21_sp_cp.cp import ATTENTION, CPError
 from day22_megatron import formulas, layouts
+from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
     build_stack,
     clip_gradients,
@@ -44,7 +45,7 @@ from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import PRESETS, preset
+from dtl.model import PRESETS
 from dtl.testing import one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -60,6 +61,8 @@ class Config:
     attn: str = "ring_zigzag"  # attention over cp: ring | ring_zigzag | ulysses
     model: str = "tiny"  # GPT preset
     num_layers: int = 0  # 0: the preset's number of layers
+    # pad the vocabulary to a multiple of this x tp, as Megatron does (GPT-2's 50,257 -> 50,304)
+    make_vocab_size_divisible_by: int = 128
     micro_batch_size: int = 1  # sequences per micro-batch (per DP rank)
     global_batch_size: int = 8  # sequences per step over all DP ranks
     seq_len: int = 32  # tokens per sequence
@@ -73,7 +76,9 @@ class Config:
     out_dir: str = ""  # empty: outputs/day22_megatron/ours-tp<t>-pp<p>[-vpp<v>][-cp<c>]-dp<d>
 
     def model_config(self):
-        return preset(self.model, **({"n_layer": self.num_layers} if self.num_layers else {}))
+        return padded_preset(
+            self.model, self.num_layers, self.make_vocab_size_divisible_by, self.tp
+        )
 
     @property
     def layout(self) -> layouts.Layout:
@@ -272,7 +277,7 @@ def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
             weight_decay=cfg.weight_decay, eps=cfg.eps, clip_grad=cfg.clip_grad or None,
             grad_norms=ref_norms,
         )  # fmt: skip
-        return losses, dict(gpt.named_parameters())
+        return losses, dict(gpt.named_parameters(remove_duplicate=False))  # lm_head too
 
     verdict = reference_verdict(
         result["losses"], result["full"], one_process, steps=cfg.steps, device=info.device

@@ -39,13 +39,14 @@ import torch
 
 import dtl.megatron as dm
 from day22_megatron import formulas, layouts
+from day22_megatron.layouts import padded_preset
 from day22_megatron.megatron_gpt import build_model_chunks, gather_dense, load_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PRESETS
 from dtl.testing import one_process_gpt, reference_verdict
 
 
@@ -63,6 +64,8 @@ class Config:
     use_distributed_optimizer: bool = False  # shard Adam state (and fp32 grads) over DP: ZeRO-1
     model: str = "tiny"  # GPT preset (dtl.model.PRESETS)
     num_layers: int = 0  # 0: the preset's number of layers
+    # pad the vocabulary to a multiple of this x TP (Megatron's default 128; GPT-2: 50,304)
+    make_vocab_size_divisible_by: int = 128
     seq_length: int = 32  # tokens per sequence
     train_iters: int = 4  # optimizer steps
     lr: float = 1e-3  # Adam learning rate (constant: OptimizerParamScheduler, style constant)
@@ -75,8 +78,12 @@ class Config:
     out_dir: str = ""  # empty: outputs/day22_megatron/megatron-tp<t>-pp<p>[-vpp<v>][-sp]-dp<d>
 
     def model_config(self):
-        overrides = {"n_layer": self.num_layers} if self.num_layers else {}
-        return preset(self.model, **overrides)
+        return padded_preset(
+            self.model,
+            self.num_layers,
+            self.make_vocab_size_divisible_by,
+            self.tensor_model_parallel_size,
+        )
 
     @property
     def microbatches(self) -> int:
@@ -177,7 +184,7 @@ def build(cfg: Config, grid, device):
         params_dtype=dtype,
         bf16=cfg.bf16,
     )
-    load_dense(chunks, GPT(mcfg, seed=cfg.seed).state_dict(), mcfg, grid)
+    load_dense(chunks, GPT(mcfg, seed=cfg.seed).state_dict(), mcfg, grid)  # one model for all
     for chunk in chunks:
         chunk.to(device)
     ddp_config = DistributedDataParallelConfig(
@@ -252,6 +259,10 @@ def run(cfg: Config, info, grid) -> dict:
 
 def _train(cfg: Config, info, grid, corpus) -> dict:
     chunks, model, optimizer, scheduler = build(cfg, grid, info.device)
+    # the converter, both ways, through megatron's own modules: loaded shards gathered back
+    dense = GPT(cfg.model_config(), seed=cfg.seed).state_dict()
+    back = gather_dense(chunks, cfg.model_config(), grid)
+    roundtrip = max((back[k] - dense[k]).abs().max().item() for k in dense)
     forward_step = make_forward_step(cfg.seq_length, info.device)
     tokens = cfg.global_batch_size * cfg.seq_length
     log = StepLogger(cfg.out_dir, cfg.train_iters, tokens_per_step=tokens)
@@ -270,7 +281,10 @@ def _train(cfg: Config, info, grid, corpus) -> dict:
     log.close()
     params = sum(p.numel() for c in chunks for p in c.parameters())
     full = gather_dense(chunks, cfg.model_config(), grid)
-    return dict(losses=losses, norms=norms, times=times, params=params, full=full)
+    return dict(
+        losses=losses, norms=norms, times=times, params=params, full=full, roundtrip=roundtrip,
+        groups=dm.megatron_group_ranks(),
+    )  # fmt: skip
 
 
 def _sync(device) -> None:
@@ -294,6 +308,10 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     )
     shim = "inactive (CUDA present)" if torch.cuda.is_available() else "active (no CUDA)"
     dtl_dist.print0(f"dtl.megatron cpu_shim + optimizer_shim: {shim}")
+    dtl_dist.print0(
+        f"converter: dtl GPT -> this layout's megatron shards -> dtl GPT, max |diff| "
+        f"{result['roundtrip']:.1e} on rank 0"
+    )
     verdict, norm_gap = _compare(cfg, info, grid, result)
     med_ms = sorted(result["times"])[len(result["times"]) // 2] * 1e3
     ok = "NO" not in verdict and mismatched.item() == 0

@@ -215,6 +215,7 @@ def load(cls, argv: list[str] | None = None):
     if "--help" in argv or "-h" in argv:
         raise HelpRequested(help_text(cls))
     cfg = cls()
+    types_ = _field_types(cls)
     overrides: dict[str, str] = {}
     config_file = None
     i = 0
@@ -223,9 +224,10 @@ def load(cls, argv: list[str] | None = None):
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument '{arg}'; use --key=value (or --help)")
         key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if not eq:  # `--config f.toml` or a bare boolean flag `--compile`
-            if key == "config" and i + 1 < len(argv):
+        key = key.replace("-", "_")  # Megatron's spelling: --tensor-model-parallel-size
+        if not eq:  # `--config f.toml`, `--key value` (Megatron-LM's style), or `--flag`
+            takes_value = key == "config" or (key in types_ and types_[key] is not bool)
+            if takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 i += 1
                 value = argv[i]
             else:

@@ -61,6 +61,17 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     return {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def write_csv(rows: list[dict], path: str, fields: list[str] | None = None) -> None:
+    """A table as CSV: one row per dict, the columns `fields` (default: the first row's keys;
+    keys a row has beyond them are left out)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def format_step(
     step: int,
     total: int,

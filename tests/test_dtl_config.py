@@ -31,6 +31,16 @@ def test_overrides_apply_in_order_defaults_then_toml_then_command_line(tmp_path)
     assert config.load(Cfg, ["--compile=false", "--ckpt=none"]) == Cfg()
 
 
+def test_megatron_style_flags_with_dashes_and_a_space_before_the_value():
+    argv = ["--val-fraction", "0.25", "--steps", "3", "--compile", "--name", "x", "--lr=2"]
+    assert config.load(Cfg, argv) == Cfg(val_fraction=0.25, steps=3, compile=True, name="x", lr=2.0)
+    # a boolean never swallows the next word, and the next flag is never taken as a value
+    with pytest.raises(config.ConfigError, match="unexpected argument 'yes'"):
+        config.load(Cfg, ["--compile", "yes"])
+    with pytest.raises(config.ConfigError, match="'steps' expects int, got 'true'"):
+        config.load(Cfg, ["--steps", "--compile"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
