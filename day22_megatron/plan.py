@@ -7,7 +7,8 @@ For every (tp, pp, dp) of the cluster, per GPU, in Megatron's recommended settin
 fp32 gradients, the distributed optimizer, sequence parallelism with TP, flash attention, 1F1B):
 
     model states  params_per_rank x (6 + 12/dp) bytes: bf16 param 2 + fp32 grad 4 + fp32
-                  master, m, v 12 sharded over dp (Megatron-LM, docs: distributed optimizer)
+                  master, m, v 12 sharded over dp (Megatron-LM, docs: distributed optimizer);
+                  18 without it (--distributed_optimizer=false)
     activations   L x 34·s·b·h/t (Korthikanti et al. 2022 with SP and no stored scores): the
                   first stage of 1F1B holds p micro-batches of L/p layers; + the last stage's
                   fp32 logits b·s·V/t for the loss
@@ -52,6 +53,7 @@ class Config:
     global_batch_tokens: int = 0  # 0: 524,288 for gpt2-124m (llm.c), 4,194,304 for 6.6b (Llama 2)
     micro_batch_size: int = 0  # 0: 16 for gpt2-124m, 1 for 6.6b (halved where dp needs it)
     mfu: float = 0.4  # assumed fraction of the dense bf16 peak the matmuls reach
+    distributed_optimizer: bool = True  # false: 18 bytes per parameter on every DP rank
     out_dir: str = "outputs/day22_megatron/plan"  # config.json
 
     def validate(self) -> None:
@@ -77,14 +79,16 @@ def layouts_of(cfg: GPTConfig, gpus: int, per_node: int) -> list[Layout]:
     return out
 
 
-def evaluate(cfg: GPTConfig, lay: Layout, *, tokens: int, b: int, per_node: int, mfu: float):
+def evaluate(
+    cfg: GPTConfig, lay: Layout, *, tokens: int, b: int, per_node: int, mfu: float, distopt=True
+):
     """One layout's row: memory per GPU, bytes and seconds per step by axis, the estimate."""
     s, h, L, t, p, d = cfg.block_size, cfg.n_embd, cfg.n_layer, lay.tp, lay.pp, lay.dp
     while b > 1 and tokens % (s * b * d):  # many DP ranks: a smaller micro-batch fills them
         b //= 2
     m = tokens // (s * b * d)  # micro-batches per DP rank
     params = max(formulas.params_per_rank(cfg, lay, r) for r in range(p))
-    states = params * (6 + 12 / d)
+    states = params * (6 + 12 / d if distopt else 18)
     acts = L * 34 * s * b * h / t + b * s * cfg.vocab_size / t * 4  # first stage + logits
     tp_bytes = m * 8 * (t - 1) / t * (L / p) * s * b * h * BF16
     pp_bytes = m * 2 * s * b * h * BF16 if p > 1 else 0.0
@@ -108,9 +112,12 @@ def evaluate(cfg: GPTConfig, lay: Layout, *, tokens: int, b: int, per_node: int,
     )  # fmt: skip
 
 
-def plan(cfg: GPTConfig, gpus: int, *, tokens: int, b: int, per_node: int, mfu: float, memory_gb):
+def plan(
+    cfg: GPTConfig, gpus: int, *, tokens: int, b: int, per_node: int, mfu: float, memory_gb,
+    distopt: bool = True,
+):  # fmt: skip
     rows = [
-        evaluate(cfg, lay, tokens=tokens, b=b, per_node=per_node, mfu=mfu)
+        evaluate(cfg, lay, tokens=tokens, b=b, per_node=per_node, mfu=mfu, distopt=distopt)
         for lay in layouts_of(cfg, gpus, per_node)
         if tokens % (cfg.block_size * lay.dp) == 0  # one sequence per DP rank at least
     ]
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         for gpus in [cfg.gpus] if cfg.gpus else [8, 64]:
             rows, best = plan(
                 MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
-                mfu=cfg.mfu, memory_gb=cfg.gpu_memory_gb,
+                mfu=cfg.mfu, memory_gb=cfg.gpu_memory_gb, distopt=cfg.distributed_optimizer,
             )  # fmt: skip
             dtl_dist.print0(show(name, gpus, rows, best, cfg.gpu_memory_gb))
             pick = best["layout"] if best else "none fits"
