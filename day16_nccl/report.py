@@ -3,7 +3,6 @@ the ring / built-in ratio, and the alpha-beta fit with its prediction errors (ra
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import statistics
@@ -12,6 +11,7 @@ import torch
 
 from day16_nccl import cost_model
 from dtl import dist as dtl_dist
+from dtl.metrics import write_csv
 
 HEADER = (
     f"{'op':<20}{'size (B)':>12}{'count':>11}{'type':>9}{'time (us)':>12}"
@@ -132,13 +132,6 @@ def _closed_form(
     k, d = cost_model.pipeline_shape(algo, nbytes, n, chunk)
     k_opt = cost_model.best_chunks(alpha, beta, algo, nbytes, n, cores)
     return f"k + 2D - 1 = {k} + 2*{d} - 1 rounds; best k = {k_opt}"
-
-
-def write_csv(rows: list[dict], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def plot_busbw(rows: list[dict], path: str) -> None:

@@ -10,7 +10,6 @@ Writes outputs/day17_ddp/sweep/{sweep.csv, sweep.png, ratio.csv} and prints one 
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from day17_ddp import observe, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import load_corpus
+from dtl.metrics import write_csv
 from dtl.model import preset
 from dtl.profile import StepTimes
 from dtl.testing import replica_gap
@@ -131,13 +131,6 @@ HEADER = (
 )
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
 
@@ -197,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = part(scfg, corpus.train, info)
     bad = [r["row"] for r in rows if r["gap"] != 0]
     if info.is_main:
-        write_csv(rows, os.path.join(scfg.out_dir, f"{scfg.part}.csv"))
+        write_csv(rows, os.path.join(scfg.out_dir, f"{scfg.part}.csv"), COLUMNS)
         if scfg.part == "sweep":
             plot(
                 rows,

@@ -12,7 +12,6 @@ Writes outputs/day18_zero/bench/bench.csv.
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
+from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
 
 # pair name -> (A, B): (impl, stage) of the two trainers compared
@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
     rows = [compare(cfg, info, corpus.train, pair) for pair in cfg.pair_list]
     if info.is_main:
-        with open(os.path.join(cfg.out_dir, "bench.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, os.path.join(cfg.out_dir, "bench.csv"))
     for r in rows:
         dtl_dist.print0(
             f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {r['dtype']}: "

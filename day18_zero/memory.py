@@ -23,6 +23,7 @@ import torch.distributed as dist
 from day18_zero import engines, formulas
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
 
 FORMULA_NS = (8, 64, 1024)
@@ -231,15 +232,6 @@ def plot(rows: list[dict], psi: int, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def write_csv(rows: list[dict], path: str) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

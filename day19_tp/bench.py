@@ -15,7 +15,6 @@ median(ours) / median(megatron). Timings on a shared CPU box are noisy: read the
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.dist import ParallelGrid
+from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
 
 MB = 1e6
@@ -193,10 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.part == "table":
         rows = run_table(cfg, info)
         if info.is_main:
-            with open(os.path.join(cfg.out_dir, "table.csv"), "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+            write_csv(rows, os.path.join(cfg.out_dir, "table.csv"))
         exact = all(
             r["params"] == r["params_formula"] and r["comm"] == r["comm_formula"] for r in rows
         )

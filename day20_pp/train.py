@@ -99,16 +99,6 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
     ]
 
 
-def average_over_dp(params, grid) -> None:
-    """Data parallelism beside the pipeline: every stage's gradients averaged over its DP group."""
-    if grid.dp_size == 1:
-        return
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=grid.dp_group)
-            p.grad /= grid.dp_size
-
-
 def run(cfg: Config, info, grid) -> dict:
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
@@ -129,7 +119,8 @@ def run(cfg: Config, info, grid) -> dict:
         t0 = time.perf_counter()
         loss, record = runner.step(actions[grid.pp_rank], batches)
         dt = time.perf_counter() - t0
-        average_over_dp(params, grid)
+        # data parallelism beside the pipeline: every stage's gradients averaged over its DP group
+        dtl_dist.average_gradients(params, grid.dp_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         # the loss lives on each replica's last stage (0.0 elsewhere): sum, then mean over DP

@@ -310,3 +310,16 @@ def test_model_parallel_config_takes_sizes_from_the_grid_and_cpu_settings():
     assert config.virtual_pipeline_model_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_model_parallel_size comes from the grid"):
         dm.model_parallel_config(grid, tensor_model_parallel_size=4)
+
+
+@needs_no_cuda
+def test_optimizer_shim_names_cpu_tensors_as_cuda_only_inside_and_leaves_casts_alone():
+    t = torch.ones(2)
+    assert t.type() == "torch.FloatTensor"
+    with dm.optimizer_shim():
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert t.type(torch.float64).dtype == torch.float64  # a cast is still a cast
+        with dm.cpu_shim():  # nested under the TorchFunctionMode: answered once, not twice
+            assert t.type() == "torch.cuda.FloatTensor"
+    assert t.type() == "torch.FloatTensor"

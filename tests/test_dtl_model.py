@@ -269,3 +269,19 @@ def test_tiny_key_bias_gradient_is_rounding_noise_and_tiny_nobias_has_none_such(
     _, nobias = _grads("tiny-nobias")
     # every parameter of tiny-nobias gets a real gradient (the smallest, LayerNorm's, ~4e-4)
     assert min(nobias.values()) > 1e-5, sorted(nobias.items(), key=lambda kv: kv[1])[:3]
+
+
+def test_optimizer_groups_decay_matrices_and_embeddings_not_biases_or_norms():
+    from dtl.model import optimizer_groups
+
+    gpt = GPT(preset("tiny"))
+    decay, no_decay = optimizer_groups(gpt, 0.1)
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    assert {names[id(p)] for p in decay["params"]} == {
+        n for n, p in gpt.named_parameters() if p.dim() == 2
+    }
+    assert all(n.endswith(".bias") or ".ln_" in n or n.startswith("ln_f")
+               for n in (names[id(p)] for p in no_decay["params"]))  # fmt: skip
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(gpt.parameters()))
+    assert optimizer_groups(list(gpt.parameters()), 0.1)[0]["params"] == decay["params"]

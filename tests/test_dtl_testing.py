@@ -68,6 +68,28 @@ def test_reference_train_is_the_plain_loop_and_returns_its_losses():
         params_gap(model, torch.nn.Linear(4, 8))
 
 
+def test_reference_train_clips_the_global_norm_and_reports_it_before_clipping():
+    from dtl.testing import params_gap, reference_train
+
+    model, by_hand = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms: list[float] = []
+    reference_train(model, _batch, opt, steps=2, clip_grad=1e-3, grad_norms=norms)
+    opt2 = torch.optim.SGD(by_hand.parameters(), lr=0.5)
+    expected = []
+    for step in range(2):
+        x, y = _batch(step)
+        opt2.zero_grad()
+        torch.nn.functional.cross_entropy(by_hand(x), y).backward()
+        expected.append(torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 1e-3).item())
+        opt2.step()
+    assert norms == expected and min(norms) > 1e-3  # the clip was active
+    assert params_gap(model, by_hand) == 0.0
+    unclipped = _model()
+    reference_train(unclipped, _batch, torch.optim.SGD(unclipped.parameters(), lr=0.5), 2)
+    assert params_gap(model, unclipped) > 1e-3
+
+
 def _gap_with_one_rank_nudged(nudge):
     from dtl.testing import replica_gap
 
