@@ -79,7 +79,10 @@ def known_top_level_keys() -> frozenset[str]:
     return frozenset(seen - set(_REMOVED_TOP_LEVEL_CONFIG_KEYS))
 
 
-def _check_sections(ds: dict) -> None:
+def check_sections(ds: dict) -> None:
+    """Raise DsConfigError (one line) for a top-level key DeepSpeed does not read, a
+    zero_optimization / bf16 / fp16 section its pydantic models reject, or an unknown optimizer
+    key (day 23's explainer runs the same checks on its templates)."""
     from deepspeed.ops.adam import FusedAdam
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -171,7 +174,7 @@ def load_ds_config(
     ):
         _resolve(ds, ("optimizer", "params", name), value, f"--{name}")
     _resolve(ds, ("bf16", "enabled"), dtype == "bf16", "--dtype")
-    _check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
+    check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
     if ds.get("fp16", {}).get("enabled") is True and device_type == "cpu":
         raise DsConfigError("ds_config enables fp16, which DeepSpeed refuses on a CPU; use bf16")
     return ds

@@ -80,8 +80,11 @@ class Bucket:
     stage 3 keeps only this rank's slice and re-creates the full buffer when the unit runs.
     """
 
-    def __init__(self, params, names, stage: int, rank: int, world: int, group):
+    def __init__(
+        self, params, names, stage: int, rank: int, world: int, group, offload: bool = False
+    ):
         self.params, self.names = params, names
+        self.offload = offload  # the optimizer's tensors (master, m, v) kept in CPU memory
         self.stage, self.rank, self.world, self.group = stage, rank, world, group
         # (P,) = every parameter's values end to end, then zeros up to a multiple of N
         self.full = FlatBuffer.of([p.detach() for p in params], pad_to=world)
@@ -95,10 +98,12 @@ class Bucket:
             # a view: the optimizer's update of my slice lands in the full parameters directly
             self.param_shard = self.full.shard(rank, world)
         # the tensor the optimizer steps: my slice itself in fp32, an fp32 copy ("master") in bf16
-        if self.dtype == torch.float32:
+        # or when the optimizer is offloaded (ZeRO-Offload: the copy lives in CPU memory, so the
+        # optimizer's m and v are created there too, and its step runs on the CPU)
+        if self.dtype == torch.float32 and not offload:
             self.master = nn.Parameter(self.param_shard)  # shares the slice's memory
         else:
-            self.master = nn.Parameter(self.param_shard.detach().float())
+            self.master = nn.Parameter(self.param_shard.detach().float().to("cpu", copy=True))
         # gradients: stage 1 keeps them full (P,), stages 2 and 3 only my averaged slice (P/N,)
         self.full_grads: FlatBuffer | None = self._new_grad_buffer() if stage == 1 else None
         self.grad_shard = (
@@ -222,6 +227,7 @@ class ZeroModel(nn.Module):
         units: list[nn.Module] | None = None,
         prefetch: bool = True,
         max_in_flight: int = 2,
+        offload_optimizer: bool = False,
     ):
         check_zero_args(stage, bucket_cap_mb)
         super().__init__()
@@ -241,8 +247,9 @@ class ZeroModel(nn.Module):
             self.units, root_group = [], []
             groups = _size_buckets(named, int(bucket_cap_mb * MiB))
         make = lambda g: Bucket(  # noqa: E731
-            [p for _, p in g], [n for n, _ in g], stage, self.rank, self.world, group
-        )
+            [p for _, p in g], [n for n, _ in g], stage, self.rank, self.world, group,
+            offload_optimizer,
+        )  # fmt: skip
         self.root = make(root_group) if root_group else None  # stage 3's always-gathered unit
         self.unit_buckets = [make(g) for g in groups]
         self.buckets = ([self.root] if self.root else []) + self.unit_buckets
@@ -408,11 +415,13 @@ class ZeroModel(nn.Module):
             for b in self.buckets:
                 b.finish_reduce_scatter()
         for b in self.buckets:
-            b.master.grad = b.grad_shard if b.dtype == torch.float32 else b.grad_shard.float()
+            # (P/N,) my averaged gradient slice -> the master's device and dtype (offloaded:
+            # device -> CPU, the PCIe copy ZeRO-Offload pays every step)
+            b.master.grad = b.grad_shard.to(b.master.device, torch.float32)
         self.optimizer.step()  # touches only (P/N,) slices: 1/N of the optimizer's work and state
         for b in self.buckets:
-            if b.dtype != torch.float32:
-                b.param_shard.copy_(b.master)  # fp32 master -> the bf16 slice
+            if b.master.data_ptr() != b.param_shard.data_ptr():
+                b.param_shard.copy_(b.master)  # fp32 master -> the slice (CPU -> device)
             if self.stage < 3:
                 # (P/N,) my new slice -> (P,) every rank's, into the model's parameters in place
                 b.gather_work = dist.all_gather_single(
@@ -440,7 +449,11 @@ class ZeroModel(nn.Module):
         grads = sum(_nbytes(b.full_grads.data) for b in self.buckets if b.full_grads is not None)
         if self.stage >= 2:
             grads += sum(_nbytes(b.grad_shard) for b in self.buckets)
-        masters = sum(_nbytes(b.master) for b in self.buckets if b.dtype != torch.float32)
+        masters = sum(
+            _nbytes(b.master)
+            for b in self.buckets
+            if b.master.data_ptr() != b.param_shard.data_ptr()
+        )
         state = sum(
             _nbytes(t)
             for s in self.optimizer.state.values()

@@ -1,0 +1,324 @@
+"""Day 23: every offload template trains like no-offload ZeRO-3 and like one process; its bytes are
+where the explainer says; save/resume is exact with the optimizer on CPU and the parameters on
+NVMe, and the optimizer-on-NVMe resume bug of DeepSpeed 0.19.8 is recorded; day 18's hand ZeRO-3
+with its optimizer on the CPU; the explainer's one-line errors.
+
+One 2-rank spawn runs every template (and the params-on-NVMe variant) with a checkpoint after
+step 2, then resumes the offload ones from it. Model: `tiny` with a 32,768-word vocabulary, so
+its embedding partition (2 MiB) and its optimizer sub-group are above the 1 MiB aio minimum and
+really go to disk. fp32, AdamW with weight decay on the matrices and clipping at 1.0 (the
+templates' settings), K = 4 steps. Tolerances: losses rtol 1e-5 against no-offload ZeRO-3 and
+against one process (measured 1.9e-7); bytes per location within 1% of explain.predict
+(measured 0.00% but for the optimizer's swap files, 0.1%); resume: bit-identical.
+"""
+
+import copy
+import gc
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from day23_zero3_offload import explain, train
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.model import preset
+from dtl.testing import one_process_gpt, run_distributed, script_error
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (.[deepspeed])"
+)
+
+
+def _libaio() -> bool:
+    if importlib.util.find_spec("deepspeed") is None:
+        return False
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+HAS_LIBAIO = _libaio()
+needs_libaio = pytest.mark.skipif(
+    not HAS_LIBAIO, reason="NVMe offload needs libaio: apt-get install libaio-dev"
+)
+K, SAVE_AT, VOCAB, T = 4, 2, 32768, 16
+RESUMED = ("cpu", "nvme_param", "nvme_paged", "nvme")
+
+
+def _config(name, tmp, **kw) -> train.Config:
+    template = "nvme" if name.startswith("nvme") else name
+    return train.Config(
+        ds_config=template, model="tiny", vocab_size=VOCAB, seq_len=T, steps=K, check=False,
+        nvme_path=os.path.join(tmp, f"nvme_{name}"), ckpt_dir=os.path.join(tmp, f"ckpt_{name}"),
+        out_dir=os.path.join(tmp, f"out_{name}"), **kw,
+    )  # fmt: skip
+
+
+def _ds(cfg: train.Config, name: str) -> dict:
+    ds = cfg.load_ds_config()
+    zero = ds["zero_optimization"]
+    if "offload_param" in zero and zero["offload_param"]["device"] == "nvme":
+        zero["offload_param"]["buffer_size"] = 2_000_000  # >= the largest partition; 2 GB less
+    if name in ("nvme_param", "nvme_paged"):  # parameters on NVMe, the optimizer in CPU memory
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if name == "nvme_paged":  # no flat CPU copy: every swappable partition paged in and out
+        zero["offload_param"]["max_in_cpu"] = 0
+    return ds
+
+
+def _runs(tmp, names):
+    info = dtl_dist.init()
+    out = {}
+    for name in names:
+        cfg = _config(name, tmp, save_at=SAVE_AT)
+        ds = _ds(cfg, name)
+        r = train.run(cfg, info, ds)
+        out[name] = dict(
+            losses=r["losses"], where=r["where"], swapped=r["swapped"], ds=ds, saved=r["saved"],
+            full=train.full_parameters(r["engine"]),
+        )  # fmt: skip
+        del r
+        gc.collect()
+        if name in RESUMED:
+            try:
+                rr = train.run(_config(name, tmp, resume=True), info, ds)
+            except AttributeError as e:  # nvme_paged: DeepSpeed's load_state_dict (recorded)
+                out[name]["resume_error"] = repr(e)
+                continue
+            out[name].update(resumed=rr["losses"], loaded=rr["loaded"])
+            del rr
+            gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    names = ["zero3", "opt_only", "cpu"]
+    names += ["nvme_param", "nvme_paged", "nvme"] if HAS_LIBAIO else []
+    tmp = str(tmp_path_factory.mktemp("day23"))
+    return run_distributed(_runs, tmp, names, world_size=2, timeout_s=300)[0]
+
+
+def _one_process():
+    from dtl.data import load_corpus
+
+    losses, gpt = one_process_gpt(
+        preset("tiny", vocab_size=VOCAB), load_corpus(tokenizer="byte").train, seq_len=T,
+        rows=2 * 2, steps=K, lr=1e-3, weight_decay=0.1, eps=1e-8, clip_grad=1.0,
+    )  # fmt: skip
+    return losses, dict(gpt.named_parameters())
+
+
+TEMPLATES = [
+    "opt_only",
+    "cpu",
+    pytest.param("nvme_param", marks=needs_libaio),
+    pytest.param("nvme_paged", marks=needs_libaio),
+    pytest.param("nvme", marks=needs_libaio),
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
+    base = runs["zero3"]["losses"]
+    torch.testing.assert_close(runs[name]["losses"], base, rtol=1e-5, atol=0)
+    ref_losses, ref_params = _one_process()
+    torch.testing.assert_close(runs[name]["losses"], ref_losses, rtol=1e-5, atol=0)
+    gap = max(
+        (runs[name]["full"][k] - ref_params[k].detach()).abs().max().item() for k in ref_params
+    )
+    assert gap < 1e-4, f"{name}: parameters {gap:.1e} from one process"
+
+
+@pytest.mark.parametrize("name", ["zero3", *TEMPLATES])
+def test_bytes_per_location_are_where_the_explainer_says(runs, name):
+    r = runs[name]
+    pred = explain.predict(r["ds"], explain.param_groups(preset("tiny", vocab_size=VOCAB)), 2)
+    for loc in explain.LOCATIONS:
+        for kind in explain.KINDS:
+            want, got = pred[loc][kind], r["where"][loc][kind]
+            assert abs(got - want) <= 0.01 * max(want, 1), f"{name} {loc}.{kind}: {got} vs {want}"
+    if explain.offload_device(r["ds"], "offload_param") == "nvme":
+        assert r["where"]["nvme"]["params"] > 0  # the embedding's partition really is on disk
+    # disk traffic, every step after the first: the prediction to 2% or 64 KiB (the step log and
+    # TensorBoard's background writer add a few KB)
+    for k in ("read", "write"):
+        for step in r["swapped"][1:]:
+            want = pred["disk"][k]
+            assert abs(step[k] - want) <= max(0.02 * want, 65536), f"{name} disk {k}: {step[k]}"
+
+
+def _resume_is_exact(r) -> None:
+    """The checkpoint gives back the saved state bit for bit, so the first resumed step's loss is
+    the uninterrupted run's; the later ones agree to rtol 1e-6, not bitwise: DeepSpeedCPUAdam
+    keeps beta^t as a running float product (csrc/includes/cpu_adam.h, IncrementStep) and, in a
+    fresh process, recomputes it once with pow(beta, t), which rounds differently (measured
+    5e-8 in the loss two steps later)."""
+    assert r["loaded"].keys() == r["saved"].keys()
+    assert all(torch.equal(r["loaded"][k], r["saved"][k]) for k in r["saved"])
+    assert r["resumed"][0] == r["losses"][SAVE_AT]
+    torch.testing.assert_close(r["resumed"], r["losses"][SAVE_AT:], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["cpu", pytest.param("nvme_param", marks=needs_libaio)])
+def test_save_and_resume_give_back_the_saved_state_exactly(runs, name):
+    _resume_is_exact(runs[name])
+
+
+@needs_libaio
+@pytest.mark.xfail(
+    strict=True,
+    reason="DeepSpeed 0.19.8: load_checkpoint with the optimizer on NVMe restores the initial "
+    "weights (PLATFORM.md); strict, so a fixed DeepSpeed turns this test red to be noticed",
+)
+def test_resume_with_the_optimizer_on_nvme_is_exact(runs):
+    _resume_is_exact(runs["nvme"])
+
+
+@needs_libaio
+def test_resume_with_paged_parameters_is_refused_by_deepspeed(runs):
+    # max_in_cpu below the partition size leaves a sub-group without its flat CPU copy, and
+    # DeepSpeed 0.19.8's _rigid_load_state_dict copies into that missing copy: an
+    # AttributeError on every rank. Recorded, so a fixed DeepSpeed is noticed
+    assert "'NoneType' object has no attribute 'data'" in runs["nvme_paged"]["resume_error"]
+    assert (
+        runs["nvme_paged"]["where"]["cpu"]["params"] < runs["nvme_param"]["where"]["cpu"]["params"]
+    )
+
+
+@needs_libaio
+def test_the_optimizer_on_nvme_resume_gives_back_the_initial_weights(runs):
+    # the symptom itself, so the notes' claim is a measurement: after load_checkpoint the
+    # parameters are GPT(seed=0)'s, not the step-2 state that was saved
+    from dtl.model import GPT
+
+    init = dict(GPT(preset("tiny", vocab_size=VOCAB), seed=0).named_parameters())
+    loaded = runs["nvme"]["loaded"]
+    assert all(torch.equal(loaded[k], init[k].detach()) for k in init)
+    assert not all(torch.equal(loaded[k], runs["nvme"]["saved"][k]) for k in init)
+
+
+# --- day 18's hand ZeRO-3 with the optimizer step on the CPU -----------------------------------
+
+
+def _hand_zero3_offloaded(offload):
+    import torch.distributed as dist
+
+    from day18_zero.zero import ZeroModel
+    from dtl.data import get_batch, load_corpus
+    from dtl.model import GPT, loss_fn
+
+    tokens = load_corpus(tokenizer="byte").train
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ZeroModel(
+        GPT(preset("tiny-nobias"), seed=0),
+        3,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-6),
+        offload_optimizer=offload,
+    )
+    losses = []
+    for step in range(3):
+        x, y = get_batch(tokens, T, 2, seed=0, step=step, dp_rank=rank, dp_size=world)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.step()
+        model.zero_grad()
+        losses.append(dtl_dist.all_reduce_scalar(loss.item(), average=True))
+    states = [t for s in model.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    separate = all(b.master.data_ptr() != b.param_shard.data_ptr() for b in model.buckets)
+    return losses, model.full_parameters(), separate, {t.device.type for t in states}
+
+
+def test_hand_zero3_with_the_optimizer_on_cpu_equals_one_process():
+    from dtl.data import load_corpus
+
+    per_rank = run_distributed(_hand_zero3_offloaded, True, world_size=2)
+    losses, params, separate, devices = per_rank[0]
+    assert separate and devices == {"cpu"}  # an fp32 master copy of its own, m and v beside it
+    ref_losses, gpt = one_process_gpt(
+        preset("tiny-nobias"), load_corpus(tokenizer="byte").train, seq_len=T, rows=4, steps=3,
+        make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-6),
+    )  # fmt: skip
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    for name, p in gpt.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=2e-5)
+
+
+# --- the explainer -----------------------------------------------------------------------------
+
+
+def _template(name="cpu") -> dict:
+    return copy.deepcopy(explain.read(explain.template_path(name)))
+
+
+def _broken(change):
+    ds = _template("nvme")
+    change(ds)
+    return ds
+
+
+@pytest.mark.parametrize(
+    "ds, message",
+    [
+        (_broken(lambda d: d.update(train_batch_size=5)), "train_batch_size 5 != micro-batch 2"),
+        (
+            _broken(lambda d: d["zero_optimization"].update(stage=2)),
+            "zero_optimization.offload_param is a ZeRO-3 key but stage is 2",
+        ),
+        (
+            _broken(lambda d: d["zero_optimization"].update(stage3_max_live_parameter=1)),
+            "stage3_max_live_parameter': Extra inputs are not permitted",
+        ),
+        (_broken(lambda d: d["aio"].update(thread_count=4)), "unknown aio key(s) ['thread_count']"),
+        (
+            _broken(lambda d: d["zero_optimization"]["offload_param"].pop("nvme_path")),
+            "offload to nvme needs zero_optimization.offload_param.nvme_path",
+        ),
+        (
+            _broken(lambda d: d["zero_optimization"]["offload_param"].update(nvme_path="/proc/x")),
+            "offload_param.nvme_path '/proc/x' is not a writable folder",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_configs_are_one_line_errors(ds, message):
+    with pytest.raises(explain.ExplainError) as err:
+        explain.check(ds, world=2)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_libaio_names_the_package(monkeypatch):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(explain.ExplainError, match="apt-get install libaio-dev"):
+        explain.check(_template("nvme"), world=2)
+    explain.check(_template("cpu"), world=2)  # no NVMe, no libaio needed
+
+
+def test_train_script_stops_on_a_bad_config_with_one_line(tmp_path):
+    path = tmp_path / "bad.json"
+    ds = _template("cpu")
+    ds["train_batch_size"] = 3
+    path.write_text(__import__("json").dumps(ds))
+    line = script_error("day23_zero3_offload.train", f"--ds_config={path}", env={"WORLD_SIZE": "2"})
+    assert "train_batch_size 3 != micro-batch 2 x accumulation 1 x world 2 = 4" in line
+
+
+def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(dtl_config.ConfigError, match="no DeepSpeed checkpoint in"):
+        dtl_config.load(
+            train.Config, ["--resume", f"--ckpt_dir={tmp_path}", f"--out_dir={tmp_path}"]
+        )
+
+
+def test_size_formula_equals_the_built_model_and_the_fit_grows_with_offload():
+    cfg = explain.gpt_of(2, 256)
+    assert explain.groups_by_formula(cfg) == explain.param_groups(cfg)
+    budget = 20e9  # device bytes per GPU, 8 GPUs, 1 TB of CPU
+    fits = {t: explain.largest_fit(_template(t), 8, budget) for t in explain.TEMPLATES}
+    n = {t: sum(map(sum, explain.groups_by_formula(c))) for t, c in fits.items()}
+    assert n["zero3"] < n["opt_only"] and n["zero3"] < n["cpu"] <= n["nvme"]
