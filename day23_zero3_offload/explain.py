@@ -22,6 +22,9 @@ The prediction, per rank, for a model of parameters n_i, N ranks, parameter byte
 2 bf16), each partition ceil(n_i / N) elements (ZeRO-3 pads every parameter on its own), and
 the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same places):
 
+    gathered     the peak of full parameters held at once (device): all non-persistent ones
+                 when they fit in stage3_max_reuse_distance (the default), else the largest
+                 module plus the prefetch (_gathered)
     params       sum ceil(n_i/N)·e        device; CPU with offload_param; NVMe with offload_param
                                            nvme for partitions of >= max(1 MiB, aio block_size)
                                            bytes (smaller ones stay in CPU memory)
@@ -30,8 +33,9 @@ the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same 
                                            NVMe the swappable partitions' gradients also on disk
     optim        12·sum ceil(n_i/N)       fp32 master, exp_avg, exp_avg_sq; device, CPU, or NVMe
                                            (one file each per sub-group, 1 KiB aligned)
-    buffers      NVMe only, pinned CPU:   buffer_count x buffer_size x e (parameters) +
-                                           buffer_count x the largest sub-group x 4 (optimizer)
+    buffers      device: the gradient-reduction bucket, reduce_bucket_size x e (with
+                 contiguous_gradients); NVMe only, pinned CPU: buffer_count x buffer_size x e
+                 (parameters) + buffer_count x the largest sub-group x 4 (optimizer)
 DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs) is printed beside it: it
 assumes mixed precision (18 bytes per parameter, 4 x the largest layer on the device) and a 1.5x
 buffer factor on the CPU, so the two differ by design; the notes read both.
@@ -58,7 +62,7 @@ AIO_KEYS = {"block_size", "queue_depth", "intra_op_parallelism", "single_submit"
 AIO_BLOCK_DEFAULT = 1048576
 STAGE3_ONLY = ("offload_param", "sub_group_size")  # plus every stage3_* key
 LOCATIONS = ("device", "cpu", "nvme")
-KINDS = ("params", "persistent", "grads", "optim", "buffers")
+KINDS = ("params", "persistent", "gathered", "grads", "optim", "buffers")
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEMPLATES = {
     "zero3": "zero3.json",
@@ -70,6 +74,10 @@ TEMPLATES = {
 
 class ExplainError(DsConfigError):
     """A ds_config this day cannot run; one line."""
+
+
+class MissingLibaio(ExplainError):
+    """NVMe offload asked for on a machine without libaio (scripts show SKIP for it)."""
 
 
 def template_path(name: str) -> str:
@@ -156,7 +164,7 @@ def check_libaio() -> None:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        raise ExplainError(
+        raise MissingLibaio(
             "NVMe offload needs DeepSpeed's async_io op, which needs libaio: "
             "apt-get install libaio-dev (then make install rebuilds the op)"
         )
@@ -207,6 +215,9 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
     out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
     threshold = zero.get("stage3_param_persistence_threshold", 100_000)
     out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
+    out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
+    if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
+        out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
     min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
     swappable = lambda k, size=e: k * size >= min_aio  # noqa: E731
     param_dev, opt_dev = (
@@ -246,6 +257,24 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
         out[opt_home]["optim"] = 12 * sum(flat)
     out["disk"] = {"read": read, "write": write}
     return out
+
+
+def _gathered(zero: dict, gathered_sizes: list[int]) -> int:
+    """Peak elements ZeRO-3 holds gathered (full) at once, from its release rule
+    (partitioned_param_coordinator.py, __params_to_release): after a module runs, a parameter
+    stays gathered if the trace reuses it within stage3_max_reuse_distance elements. Every
+    parameter is reused in backward, so when all of them together are within that distance
+    (DeepSpeed's default, 1e9) nothing is released from forward to backward: the peak is the
+    whole model but its persistent tensors. Otherwise the module running and what the prefetch
+    brings in ahead of it (prefetch bucket, capped by stage3_max_live_parameters)."""
+    if not gathered_sizes:
+        return 0
+    total, largest = sum(gathered_sizes), max(gathered_sizes)
+    if total <= zero.get("stage3_max_reuse_distance", 1_000_000_000):
+        return total
+    ahead = zero.get("stage3_prefetch_bucket_size", 50_000_000)
+    live = zero.get("stage3_max_live_parameters", 1_000_000_000)
+    return min(total, max(largest, min(live, largest + ahead)))
 
 
 def _cpu_resident(parts, subs, max_in_cpu: int) -> list[bool]:
@@ -317,8 +346,11 @@ DEPTHS = (12, 24, 32, 40, 48, 64, 80, 96)
 
 
 def gpt_of(n_layer: int, n_embd: int) -> GPTConfig:
+    """A GPT of the grid: heads of 128 (at least one), GPT-3's 2,048 positions, GPT-2's padded
+    vocabulary."""
+    n_head = max(1, n_embd // 128)
     return GPTConfig(
-        n_layer=n_layer, n_head=n_embd // 128, n_embd=n_embd, block_size=2048, vocab_size=50304
+        n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=2048, vocab_size=50304
     )
 
 
@@ -332,21 +364,24 @@ def groups_by_formula(cfg: GPTConfig) -> list[list[int]]:
 
 
 def fits(ds: dict, groups, world: int, device_budget: float, cpu_budget: float) -> bool:
-    """Does the model state fit: per rank on the device (its resident bytes plus the largest
-    layer gathered in fp32, DeepSpeed's working-set rule), and in the node's CPU memory (every
-    rank's CPU bytes together)?"""
+    """Does the model state fit: per rank on the device (resident partitions, persistent and
+    gathered parameters, buffers), and in the node's CPU memory (every rank's together)?"""
     t = totals(predict(ds, groups, world))
-    largest = max(n for g in groups for n in g)
-    return t["device"] + 4 * largest <= device_budget and t["cpu"] * world <= cpu_budget
+    return t["device"] <= device_budget and t["cpu"] * world <= cpu_budget
 
 
 def largest_fit(
-    ds: dict, world: int, device_budget: float, cpu_budget: float = 1e12
+    ds: dict,
+    world: int,
+    device_budget: float,
+    cpu_budget: float = 1e12,
+    widths=WIDTHS,
+    depths=DEPTHS,
 ) -> GPTConfig | None:
-    """The GPT of the grid above with the most parameters that fits both budgets under `ds`."""
+    """The GPT of the grid (widths x depths) with the most parameters that fits both budgets."""
     best, best_n = None, 0
-    for L in DEPTHS:
-        for C in WIDTHS:
+    for L in depths:
+        for C in widths:
             groups = groups_by_formula(gpt_of(L, C))
             n = sum(map(sum, groups))
             if n > best_n and fits(ds, groups, world, device_budget, cpu_budget):

@@ -17,7 +17,9 @@ Each kind of state and the attribute of DeepSpeed 0.19's stage3.py / swapper it 
                exp_avg / exp_avg_sq for each, where the optimizer keeps them (the CPU with
                offload_optimizer); a sub-group swapped to NVMe releases its tensors between
                steps: its bytes are its swap files
-    buffers    the pinned bounce buffers the NVMe swappers read into and write from (CPU)
+    gathered   the most parameter elements held full at once during the steps (PeakGathered)
+    buffers    the gradient-reduction bucket (device); the pinned bounce buffers the NVMe
+               swappers read into and write from (CPU)
     nvme       the bytes of this rank's files under nvme_path/zero_stage_3, by folder and name
                (os.stat: what is on disk); a parameter with a swap path is counted there only
 
@@ -33,7 +35,7 @@ import os
 import torch
 
 LOCATIONS = ("device", "cpu", "nvme")
-KINDS = ("params", "persistent", "grads", "optim", "buffers")
+KINDS = ("params", "persistent", "gathered", "grads", "optim", "buffers")
 
 
 def _nbytes(t) -> int:
@@ -74,10 +76,12 @@ def swap_files(folder: str | None, rank: int) -> dict[str, int]:
     return out
 
 
-def locations(engine, rank: int) -> dict[str, dict[str, int]]:
-    """This rank's bytes by location and kind, read from the engine and the disk (module top)."""
+def locations(engine, rank: int, peak: PeakGathered | None = None) -> dict[str, dict[str, int]]:
+    """This rank's bytes by location and kind, read from the engine and the disk (module top);
+    `peak`, if it watched the steps, gives the gathered parameters' high-water mark."""
     opt = engine.optimizer
     out = _empty()
+    out["device"]["buffers"] += reduce_buffer_bytes(engine)
     swapper = _param_swapper(engine)
     on_disk = set(swapper.id_to_path) if swapper is not None else set()
     if opt.offload_param:
@@ -96,6 +100,8 @@ def locations(engine, rank: int) -> dict[str, dict[str, int]]:
     for p in engine.module.parameters():
         if p.ds_persist:  # small enough to stay whole on every rank, never gathered
             out["device"]["persistent"] += p.ds_numel * p.ds_tensor.element_size()
+    if peak is not None:
+        out["device"]["gathered"] = peak.peak * next(engine.module.parameters()).element_size()
     opt_home = "cpu" if opt.offload_optimizer else "device"
     out[opt_home]["grads"] += _nbytes(opt.grad_partitions_flat_buffer)
     # the fp32 master partitions and Adam's state that are in memory (a swapped sub-group's are
@@ -141,3 +147,37 @@ def io_bytes() -> dict[str, int]:
 
 def totals(where: dict[str, dict[str, int]]) -> dict[str, int]:
     return {loc: sum(kinds.values()) for loc, kinds in where.items()}
+
+
+class PeakGathered:
+    """The most elements of non-persistent parameters held full (gathered) at once, sampled
+    after every module's forward pre-hook (DeepSpeed's fetch for the module runs first) and
+    after its backward: the sum of `ds_numel` over the parameters whose `ds_status` is
+    AVAILABLE. (DeepSpeed's coordinator keeps a counter of its own, `__n_available_params`, but
+    it also counts persistent parameters, and not consistently across steps.)"""
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        self._available = ZeroParamStatus.AVAILABLE
+        self._params = [p for p in engine.module.parameters() if not p.ds_persist]
+        self.peak = 0
+        self.handles = []
+        for m in engine.module.modules():
+            self.handles.append(m.register_forward_pre_hook(lambda *_: self._sample()))
+            self.handles.append(m.register_full_backward_hook(lambda *_: self._sample()))
+
+    def _sample(self) -> None:
+        now = sum(p.ds_numel for p in self._params if p.ds_status == self._available)
+        self.peak = max(self.peak, now)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def reduce_buffer_bytes(engine) -> int:
+    """The contiguous gradient-reduction buckets (reduce_bucket_size elements each, with
+    contiguous_gradients), on the device."""
+    buckets = engine.optimizer.ipg_buckets.values()
+    return sum(_nbytes(getattr(b, "buffer", None)) for b in buckets)

@@ -75,8 +75,11 @@ class Config:
         if self.seq_len > self.model_config().block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        self.skip_reason = ""
         try:
             explain.check(self.load_ds_config(), world)
+        except explain.MissingLibaio as e:
+            self.skip_reason = str(e)  # a SKIP in the tour, not a failure (lessons.toml)
         except DsConfigError as e:
             raise err(str(e)) from None
         name = os.path.splitext(os.path.basename(self.ds_path))[0]
@@ -153,12 +156,14 @@ def train_step(engine, mbs) -> float:
     return total / len(mbs)
 
 
-def run(cfg: Config, info, ds: dict | None = None) -> dict:
-    """Train cfg.steps steps (from the checkpoint's step with --resume); save at cfg.save_at."""
+def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
+    """Train cfg.steps steps (from the checkpoint's step with --resume); save at cfg.save_at.
+    `engine`: one build_engine made already (to hook into it before training)."""
     ds = ds or cfg.load_ds_config()
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
-    engine = build_engine(cfg, ds)
+    engine = engine or build_engine(cfg, ds)
+    peak = measure.PeakGathered(engine)  # the gathered parameters' high-water mark
     first_step, states = 0, {}
     if cfg.resume:
         _, client = engine.load_checkpoint(cfg.ckpt_dir)
@@ -194,7 +199,7 @@ def run(cfg: Config, info, ds: dict | None = None) -> dict:
     log.close()
     return dict(
         engine=engine, ds=ds, losses=losses, times=times, swapped=swapped, corpus=corpus,
-        where=measure.locations(engine, info.rank), **states,
+        where=measure.locations(engine, info.rank, peak), **states,
     )  # fmt: skip
 
 
@@ -263,6 +268,9 @@ def _compare(cfg: Config, info, result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    if cfg.skip_reason:
+        dtl_dist.print0(f"skipped: {cfg.skip_reason}")
+        return
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     result = run(cfg, info)
