@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import statistics
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ class Config:
     seq_len: int = 64  # tokens per sequence
     steps: int = 6  # optimizer steps per run (the first is not timed)
     keys: str = ""  # part=keys: only these keys, comma-separated (empty: all)
+    # part=keys: the model, layers x width of explain.gpt_of (4x256: 12 matrices above the
+    # persistence threshold, so the gathering keys have tensors to act on); empty: --model
+    keys_model: str = "4x256"
     fit_budget_mb: float = 300.0  # part=fit: device MB per rank (the 200 MB reduce bucket in it)
     nvme_path: str = "/tmp/dtl_nvme_bench"  # the templates' NVMe folder for this benchmark
     out_dir: str = "outputs/day23_zero3_offload/bench"  # <part>.csv
@@ -65,6 +69,10 @@ class Config:
             raise dtl_config.ConfigError(f"unknown part '{self.part}'; templates, keys or fit")
         if self.model not in PRESETS:
             raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(PRESETS)}")
+        if self.keys_model and not re.fullmatch(r"\d+x\d+", self.keys_model):
+            raise dtl_config.ConfigError(
+                f"keys_model must be LAYERSxWIDTH, got {self.keys_model!r}"
+            )
         if self.steps < 2:
             raise dtl_config.ConfigError("steps must be >= 2: the first step is not timed")
         if self.seq_len > PRESETS[self.model].block_size:
@@ -157,15 +165,24 @@ def run_templates(cfg: Config, info) -> list[dict]:
     return rows
 
 
+def _keys_cfg(cfg: Config, template: str, tag: str) -> train.Config:
+    rcfg = _run_cfg(cfg, template, tag)
+    if cfg.keys_model:
+        layers, width = (int(v) for v in cfg.keys_model.split("x"))
+        model = explain.gpt_of(layers, width)
+        rcfg.model_config = lambda: model  # a grid model, not a preset
+    return rcfg
+
+
 def run_keys(cfg: Config, info) -> list[dict]:
     wanted = {k for k in cfg.keys.split(",") if k}
     sweep = [s for s in KEY_SWEEP if not wanted or s[1] in wanted]
     baselines, rows = {}, []
     for template, key, value in sweep:
         if template not in baselines:
-            rcfg = _run_cfg(cfg, template, f"keys-{template}")
+            rcfg = _keys_cfg(cfg, template, f"keys-{template}")
             baselines[template] = measure_run(cfg, info, rcfg, rcfg.load_ds_config())
-        rcfg = _run_cfg(cfg, template, f"keys-{template}-{key}")
+        rcfg = _keys_cfg(cfg, template, f"keys-{template}-{key}")
         ds = rcfg.load_ds_config()
         before = _get(ds, key)
         _set(ds, key, value)
@@ -179,16 +196,16 @@ def run_keys(cfg: Config, info) -> list[dict]:
         rows.append(row)
         dtl_dist.print0(f"{template} {key}: {before} -> {value}: {r['step_ms']:.0f} ms")
     dtl_dist.print0(
-        f"{'template':<7}{'key':<37}{'value':>22}{'step x':>8}{'gathered MB':>13}"
-        f"{'persist MB':>12}{'reduce MB':>11}{'buffers MB':>12}"
+        f"{'template':<9}{'key':<37}{'value':>22}{'step x':>8}{'gathered MB':>13}"
+        f"{'persist MB':>12}{'reduce MB':>13}{'buffers MB':>16}"
     )
     for r in rows:
         cells = "".join(
             f"{_pair(r[f'base_{k}'], r[k]):>{w}}"
-            for k, w in (("gathered", 13), ("persistent", 12), ("reduce", 11), ("buffers", 12))
+            for k, w in (("gathered", 13), ("persistent", 12), ("reduce", 13), ("buffers", 16))
         )
         change = f"{r['base']} -> {r['value']}"
-        dtl_dist.print0(f"{r['template']:<7}{r['key']:<37}{change:>22}{r['ratio']:>8.2f}{cells}")
+        dtl_dist.print0(f"{r['template']:<9}{r['key']:<37}{change:>22}{r['ratio']:>8.2f}{cells}")
     return rows
 
 
@@ -268,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             "no-offload ZeRO-3"
         )
     elif cfg.part == "keys":
-        dtl_dist.print0(f"summary: day23 bench keys: {len(rows)} changes measured on {cfg.model}")
+        model = cfg.keys_model or cfg.model
+        dtl_dist.print0(f"summary: day23 bench keys: {len(rows)} changes measured on {model}")
     else:
         fit = next(r for r in rows if r["template"] == "cpu")
         ok = fit["device_mb"] <= cfg.fit_budget_mb

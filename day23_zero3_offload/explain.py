@@ -22,9 +22,8 @@ The prediction, per rank, for a model of parameters n_i, N ranks, parameter byte
 2 bf16), each partition ceil(n_i / N) elements (ZeRO-3 pads every parameter on its own), and
 the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same places):
 
-    gathered     the peak of full parameters held at once (device): all non-persistent ones
-                 when they fit in stage3_max_reuse_distance (the default), else the largest
-                 module plus the prefetch (_gathered)
+    gathered     the peak of full parameters held at once (device): every non-persistent one
+                 (the reuse rule at its default; measured so at smaller distances too, _gathered)
     params       sum ceil(n_i/N)·e        device; CPU with offload_param; NVMe with offload_param
                                            nvme for partitions of >= max(1 MiB, aio block_size)
                                            bytes (smaller ones stay in CPU memory)
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from day18_zero.ds_engine import DsConfigError, check_sections
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.model import GPT, PRESETS, GPTConfig
+from dtl.model import GPT, PRESETS, GPTConfig, flops_per_token
 
 GB, MiB = 1e9, 1024**2
 MIN_AIO_BYTES = MiB  # deepspeed/runtime/swap_tensor/utils.py MIN_AIO_BYTES
@@ -215,7 +214,7 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
     out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
     threshold = zero.get("stage3_param_persistence_threshold", 100_000)
     out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
-    out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
+    out["device"]["gathered"] = _gathered([n for g in groups for n in g if n > threshold]) * e
     if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
         out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
     min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
@@ -259,22 +258,17 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
     return out
 
 
-def _gathered(zero: dict, gathered_sizes: list[int]) -> int:
-    """Peak elements ZeRO-3 holds gathered (full) at once, from its release rule
-    (partitioned_param_coordinator.py, __params_to_release): after a module runs, a parameter
-    stays gathered if the trace reuses it within stage3_max_reuse_distance elements. Every
-    parameter is reused in backward, so when all of them together are within that distance
-    (DeepSpeed's default, 1e9) nothing is released from forward to backward: the peak is the
-    whole model but its persistent tensors. Otherwise the module running and what the prefetch
-    brings in ahead of it (prefetch bucket, capped by stage3_max_live_parameters)."""
-    if not gathered_sizes:
-        return 0
-    total, largest = sum(gathered_sizes), max(gathered_sizes)
-    if total <= zero.get("stage3_max_reuse_distance", 1_000_000_000):
-        return total
-    ahead = zero.get("stage3_prefetch_bucket_size", 50_000_000)
-    live = zero.get("stage3_max_live_parameters", 1_000_000_000)
-    return min(total, max(largest, min(live, largest + ahead)))
+def _gathered(gathered_sizes: list[int]) -> int:
+    """Peak elements ZeRO-3 holds gathered (full) at once: every non-persistent parameter.
+
+    DeepSpeed's release rule (partitioned_param_coordinator.py, __params_to_release) keeps a
+    parameter gathered after its module ran if the trace reuses it within
+    stage3_max_reuse_distance elements; every parameter is reused in backward, so at the
+    default (1e9) nothing is released from forward to backward. Smaller distances and
+    stage3_max_live_parameters are meant to release earlier, but measured here (bench.py
+    --part=keys, a 4 x 256 GPT, DeepSpeed 0.19.8 on CPU) neither lowered the peak: it stayed
+    at every non-persistent parameter. The prediction follows the measurement."""
+    return sum(gathered_sizes)
 
 
 def _cpu_resident(parts, subs, max_in_cpu: int) -> list[bool]:
@@ -389,6 +383,64 @@ def largest_fit(
     return best
 
 
+# --- what bounds offload on one GPU: the links -------------------------------------------------
+
+# one H200 SXM (or H100 SXM): its host link is PCIe Gen5 x16, 64 GB/s per direction on paper,
+# ~55 GB/s measured by bandwidthTest-style copies from pinned memory; one PCIe Gen4 NVMe SSD:
+# ~7 GB/s read, ~4 GB/s write (datasheets of current data-centre drives). Assumptions, named.
+PCIE_GBS = 55.0
+NVME_READ_GBS, NVME_WRITE_GBS = 7.0, 4.0
+H200_BF16 = 989e12  # dtl.metrics.PEAK_BF16_FLOPS["H200"]
+MFU = 0.4
+
+
+def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
+    """Bytes one step moves over PCIe (each way) and NVMe, for one rank.
+
+    offload_optimizer: the gradients go down (device -> CPU) and the updated parameters come
+    back up. offload_param: every non-persistent parameter comes up for forward and stays to
+    backward (_gathered); the update happens in CPU memory, so nothing else comes back.
+    NVMe: predict's disk traffic."""
+    pred = predict(ds, groups, world)
+    e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    psi_r = sum(math.ceil(n / world) for g in groups for n in g) * e
+    up = down = 0.0
+    if offload_device(ds, "offload_optimizer") != "none":
+        down += psi_r  # gradients
+        up += 0.0 if offload_device(ds, "offload_param") != "none" else psi_r
+    if offload_device(ds, "offload_param") != "none":
+        up += pred["device"]["gathered"]  # fetched once, kept to backward (_gathered)
+    return dict(up=up, down=down, nvme_read=pred["disk"]["read"], nvme_write=pred["disk"]["write"])
+
+
+def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
+    """Per step on one H200, bf16: the seconds the links need beside the seconds of compute
+    (at MFU of the dense peak) for `tokens` tokens, and the tokens per step at which the
+    compute would hide the slowest link (overlapped perfectly)."""
+    head = (
+        f"{'model':<11}{'template':<10}{'PCIe up GB':>11}{'down GB':>9}{'NVMe r GB':>10}"
+        f"{'w GB':>7}{'link s':>8}{'compute s':>10}{'tokens to hide':>16}"
+    )
+    lines = [head]
+    for name, cfg in models.items():
+        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * H200_BF16)
+        for t in TEMPLATES:
+            ds = read(template_path(t))
+            ds["bf16"] = {"enabled": True}
+            b = link_bytes(ds, groups_by_formula(cfg))
+            link = max(
+                b["up"] / (PCIE_GBS * GB),
+                b["down"] / (PCIE_GBS * GB),
+                b["nvme_read"] / (NVME_READ_GBS * GB) + b["nvme_write"] / (NVME_WRITE_GBS * GB),
+            )
+            lines.append(
+                f"{name:<11}{t:<10}{b['up'] / GB:>11.2f}{b['down'] / GB:>9.2f}"
+                f"{b['nvme_read'] / GB:>10.2f}{b['nvme_write'] / GB:>7.2f}{link:>8.2f}"
+                f"{per_token * tokens:>10.2f}{link / per_token:>16,.0f}"
+            )
+    return "\n".join(lines)
+
+
 # --- the command line --------------------------------------------------------------------------
 
 
@@ -454,6 +506,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"device x {cfg.world} and {cfg.cpu_budget_gb:.0f} GB of CPU with "
                 f"{os.path.basename(path)}: {what}"
             )
+    from day22_megatron.plan import MODELS as PLAN_MODELS  # the 6.6B GPT of day 22's plan
+
+    models = {"gpt2-124m": PRESETS["gpt2-124m"], "gpt-6.6b": PLAN_MODELS["gpt-6.6b"]}
+    tokens = 2 * 1024 * 16  # the templates' micro-batch of 2, x16 accumulation, s = 1024
+    dtl_dist.print0(
+        f"one H200, bf16, per step of {tokens:,} tokens: the links (PCIe {PCIE_GBS:.0f} GB/s "
+        f"each way, NVMe {NVME_READ_GBS:.0f}/{NVME_WRITE_GBS:.0f} GB/s) vs compute at "
+        f"{MFU:.0%} MFU\n{bandwidth_table(models, tokens)}"
+    )
     dtl_dist.print0(
         f"summary: day23 explain {len(paths)} config(s) checked for {cfg.world} ranks: ok"
     )
