@@ -1,9 +1,8 @@
 """Day 22 sweep: every (tp, pp, dp) layout of the world on one model, measured beside formulas.py;
 and (--part=ratio) megatron-core's step time over ours on one layout.
 
-CPU (gloo): ~40 s at 4 ranks, a few minutes at 8 (a benchmark: the tests run it on `tiny`):
-    torchrun --standalone --nproc_per_node=4 -m day22_megatron.sweep
-    torchrun --standalone --nproc_per_node=8 -m day22_megatron.sweep
+CPU (gloo): ~27 s at 4 ranks, ~53 s at 8 (a benchmark: the tests run it on `tiny`):
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.sweep   # or --nproc_per_node=8
 GPUs: torchrun --standalone --nproc_per_node=gpu -m day22_megatron.sweep --model=gpt2-124m \\
         --seq_len=512 --global_batch_size=32
 

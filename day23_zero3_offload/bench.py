@@ -56,6 +56,7 @@ class Config:
     model: str = "small"  # GPT preset
     seq_len: int = 64  # tokens per sequence
     steps: int = 6  # optimizer steps per run (the first is not timed)
+    templates: str = ""  # part=templates: only these, comma-separated (empty: all + nvme_paged)
     keys: str = ""  # part=keys: only these keys, comma-separated (empty: all)
     # part=keys: the model, layers x width of explain.gpt_of (4x256: 12 matrices above the
     # persistence threshold, so the gathering keys have tensors to act on); empty: --model
@@ -130,6 +131,8 @@ def measure_run(cfg: Config, info, rcfg: train.Config, ds: dict) -> dict:
 def run_templates(cfg: Config, info) -> list[dict]:
     rows = []
     variants = [(t, t, None) for t in explain.TEMPLATES] + [("nvme", "nvme_paged", 0)]
+    wanted = {t for t in cfg.templates.split(",") if t}
+    variants = [v for v in variants if not wanted or v[1] in wanted]
     for template, tag, max_in_cpu in variants:
         rcfg = _run_cfg(cfg, template, tag)
         ds = rcfg.load_ds_config()

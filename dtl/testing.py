@@ -163,6 +163,7 @@ def reference_train(
     *,
     clip_grad: float | None = None,
     grad_norms: list[float] | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ) -> list[float]:
     """`steps` plain training steps: the loop every parallel run is compared with.
 
@@ -170,10 +171,14 @@ def reference_train(
     ranks see together); a data-parallel rank may run this same loop on its own slice, with a
     wrapped model, and must end where the one-process run ends. Returns the losses.
     `clip_grad`: clip the global gradient norm to it before each step (Megatron's and nanoGPT's
-    clip_grad); `grad_norms`, if given, receives each step's norm before clipping.
+    clip_grad); `grad_norms`, if given, receives each step's norm before clipping. `lr_at(step)`,
+    if given, sets every parameter group's learning rate before that step (a schedule).
     """
     losses = []
     for step in range(steps):
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
         x, y = batch(step)
         optimizer.zero_grad(set_to_none=True)
         value = loss(model, x, y)
@@ -200,16 +205,18 @@ def one_process_gpt(
     make_optimizer: Callable | None = None,
     weight_decay: float | None = None,
     eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
     clip_grad: float | None = None,
     grad_norms: list[float] | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ):
     """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
     the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
     the same rows the ranks split among themselves). The optimizer: `make_optimizer(params)` if
     given; else AdamW(lr, eps), with torch's default decay (0.01 on every parameter, what the
     days' scripts use) or, given `weight_decay`, decay on the matrices only
-    (dtl.model.optimizer_groups, Megatron's rule). `clip_grad` and `grad_norms` as in
-    reference_train. Returns (losses, the trained model)."""
+    (dtl.model.optimizer_groups, Megatron's rule); `betas` Adam's. `clip_grad`, `grad_norms` and
+    `lr_at` as in reference_train. Returns (losses, the trained model)."""
     from dtl.data import get_batch
     from dtl.model import GPT, optimizer_groups
 
@@ -217,14 +224,16 @@ def one_process_gpt(
     if make_optimizer:
         opt = make_optimizer(gpt.parameters())
     elif weight_decay is None:
-        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps)
+        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps, betas=betas)
     else:
-        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps)
+        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps, betas=betas)
 
     def batch(step):
         return get_batch(tokens, seq_len, rows, seed=seed, step=step)
 
-    losses = reference_train(gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms)
+    losses = reference_train(
+        gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms, lr_at=lr_at
+    )
     return losses, gpt
 
 

@@ -1,0 +1,86 @@
+"""Day 28: will this model and strategy fit the device? Predicted before anything is allocated.
+
+    need = predicted_bytes(cfg, "zero3")     # per rank: model state + activations, bytes
+    check(cfg)                               # FitError (one line, with a strategy that fits)
+
+Model state per rank (fp32 master weights throughout: bf16 autocast keeps fp32 parameters), Ψ
+parameters, N = world ranks, from the days that measured each:
+    ddp        16Ψ (4 param + 4 grad + 8 Adam: day 18's table)
+    fsdp2      16Ψ/N + the largest block gathered (4 bytes each)
+    zero3      16Ψ/N + every parameter gathered from forward to backward (day 23's measurement
+               of DeepSpeed's reuse rule at its default distance: 4Ψ)
+    tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
+    megatron   layers, the embedding on the first stage, the head on the last)
+Activations per rank: L/pp layers x 34·s·b·h x 2 bytes (fp32: Korthikanti's 16-bit count,
+doubled), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
+the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
+The device: CUDA's total memory, or on a CPU the machine's RAM shared by the local ranks;
+DTL_DEVICE_MEMORY_GB overrides it (the tests, and a what-if on any machine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from day19_tp.formulas import block_params
+from day22_megatron import formulas
+from day22_megatron.layouts import Layout
+from dtl.model import num_params
+
+STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
+GB = 1e9
+
+
+class FitError(ValueError):
+    """The run would not fit the device; one line, with what would."""
+
+
+def device_bytes(local_world: int) -> float:
+    if os.environ.get("DTL_DEVICE_MEMORY_GB"):
+        return float(os.environ["DTL_DEVICE_MEMORY_GB"]) * GB
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / max(1, local_world)
+
+
+def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1, micro: int = 1,
+                    seq_len: int = 1024) -> dict[str, float]:  # fmt: skip
+    """Per-rank bytes of `strategy` for cfg (a Config of train.py's shape: its model_config())."""
+    m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
+    psi = num_params(m)
+    if strategy == "ddp":
+        states = 16 * psi
+    elif strategy == "fsdp2":
+        states = 16 * psi / world + 4 * block_params(m, 1)
+    elif strategy == "zero3":
+        states = 16 * psi / world + 4 * psi
+    else:
+        lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
+        states = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
+    t = tp if strategy in ("tp_pp", "megatron") else 1
+    acts = m.n_layer * 34 * seq_len * micro * m.n_embd * 2 / t
+    acts += 8 * micro * seq_len * m.vocab_size / t
+    return {"states": states, "activations": acts, "total": states + acts}
+
+
+def check(cfg) -> None:
+    """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world))
+    have = device_bytes(local)
+    kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
+    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **kw)
+    if need["total"] <= have:
+        return
+    others = {
+        s: predicted_bytes(cfg, s, **kw)["total"] for s in ("fsdp2", "zero3") if s != cfg.strategy
+    }
+    fits = [f"{s} ({b / GB:.1f} GB)" for s, b in others.items() if b <= have]
+    hint = f"strategies that fit: {', '.join(fits)}" if fits else "lower --micro_batch_size"
+    raise FitError(
+        f"{cfg.model} with {cfg.strategy} needs ~{need['total'] / GB:.1f} GB per rank (state "
+        f"{need['states'] / GB:.1f} + activations {need['activations'] / GB:.1f}) but the device "
+        f"has {have / GB:.1f} GB; {hint}"
+    )

@@ -1,0 +1,85 @@
+"""Day 28: the training recipe of a ~125M GPT, as small functions the strategies share.
+
+    lr = lr_at(step, Recipe())                  # linear warm-up, cosine decay to min_lr
+    opt = make_adamw(params_or_groups, r)       # decay on matrices, fused where it exists
+    with autocast(r, device): loss = ...        # bf16 on GPUs, fp32 on a CPU
+    text = generate(model, tokenizer, "ROMEO:", 40)
+
+The numbers are GPT-3 Small's and llm.c's GPT-2 124M run (Brown et al. 2020, Table 2.1;
+karpathy/llm.c scripts/run_gpt2_124M.sh): AdamW betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
+the matrices only, gradient clipping at 1.0, peak lr 6e-4, warm-up then cosine to 10% of it,
+524,288 tokens per step (0.5M: micro-batch x sequence x accumulation x DP ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dtl.model import optimizer_groups
+
+
+@dataclass
+class Recipe:
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float = 6e-5  # the cosine ends here (10% of the peak)
+    warmup: int = 2  # linear warm-up steps
+    steps: int = 8  # total optimizer steps (the cosine's length)
+    weight_decay: float = 0.1  # on matrices and embeddings only
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip: float = 1.0  # global gradient-norm clip (0: off)
+    bf16: bool = False  # autocast to bf16 (GPUs); the CPU checks run in fp32
+
+
+def lr_at(step: int, r: Recipe) -> float:
+    """Linear warm-up over `warmup` steps, then a cosine from lr to min_lr at `steps`."""
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    progress = min(1.0, (step - r.warmup) / max(1, r.steps - r.warmup))
+    return r.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (r.lr - r.min_lr)
+
+
+def lr_factor(r: Recipe):
+    """lr_at as a multiplier of the peak, for torch's LambdaLR."""
+    return lambda step: lr_at(step, r) / r.lr
+
+
+def make_adamw(params, r: Recipe, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with decay on the matrices only (dtl.model.optimizer_groups), given a module or
+    a list of parameters; `fused` (one kernel for every tensor) where the device supports it."""
+    groups = optimizer_groups(params, r.weight_decay)
+    device = next(p for g in groups for p in g["params"]).device
+    if fused is None:
+        fused = device.type == "cuda"
+    kwargs = dict(lr=r.lr, betas=r.betas, eps=r.eps)
+    return (
+        torch.optim.AdamW(groups, fused=fused, **kwargs)
+        if fused
+        else torch.optim.AdamW(groups, **kwargs)
+    )
+
+
+def autocast(r: Recipe, device: torch.device):
+    """bf16 autocast on a GPU when the recipe asks for it; a no-op otherwise."""
+    if r.bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, new_tokens: int, top_k: int = 40, seed: int = 0):
+    """Sample `new_tokens` after `prompt` (top-k, temperature 1) from a one-process GPT."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+    for _ in range(new_tokens):
+        logits = model(ids[:, -model.cfg.block_size :])[:, -1, :].float()
+        top, idx = logits.topk(min(top_k, logits.size(-1)))
+        nxt = idx.gather(1, torch.multinomial(F.softmax(top, dim=-1), 1, generator=g))
+        ids = torch.cat([ids, nxt], dim=1)
+    return tokenizer.decode(ids[0].tolist())

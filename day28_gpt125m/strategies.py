@@ -1,0 +1,271 @@
+"""Day 28: one interface over every strategy of the course, so one loop trains them all.
+
+    s = build("fsdp2", cfg, recipe, grid, device)       # ddp | fsdp2 | zero3 | tp_pp | megatron
+    loss, norm = s.step(micro_batches, lr)              # one optimizer step (accumulation inside)
+    full = s.full_parameters()                          # the dense model's tensors (collective)
+    s.close()
+
+    strategy  built from                  the DP sync                 the optimizer
+    ddp       torch DDP (day 17)           all-reduce in buckets       AdamW, full state per rank
+    fsdp2     torch fully_shard (day 18)   reduce-scatter / all-gather AdamW on each rank's shard
+    zero3     DeepSpeed ZeRO-3 (day 23)    reduce-scatter / all-gather DeepSpeed's AdamW on shards
+    tp_pp     our stack (day 22): apply_tp -> apply_pp, DP by average_gradients; torch AdamW
+    megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
+
+Every strategy takes the same recipe (AdamW betas 0.9/0.95, decay on matrices only, global-norm
+clipping, the learning rate of this step) and the same global batch, so every one must train like
+the one-process GPT: tests/test_day28_gpt125m.py checks that, strategy by strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from dtl.model import GPT, GPTConfig, loss_fn
+
+STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
+MODEL_PARALLEL = ("tp_pp", "megatron")  # strategies that take tp and pp
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class Strategy:
+    name = ""
+
+    def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
+        """One optimizer step over this DP rank's micro-batches; returns (the mean loss where
+        this rank knows it, the global gradient norm before clipping)."""
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """name -> the full tensor, keyed as the one-process GPT's named_parameters."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TorchData(Strategy):
+    """DDP or FSDP2 on the whole GPT: torch's own data parallelism."""
+
+    def __init__(self, name: str, gpt: GPT, r: Recipe, device):
+        self.name, self.r, self.device = name, r, device
+        if name == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.gpt = gpt
+            self.model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
+            self.sync_off = self.model.no_sync  # no all-reduce until the last micro-batch
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in gpt.blocks.values():  # bottom-up: each block its own all-gather unit
+                fully_shard(block)
+            self.model = self.gpt = fully_shard(gpt)
+            self.sync_off = self._fsdp_no_sync
+        self.optimizer = make_adamw(self.gpt, r)
+
+    @contextlib.contextmanager
+    def _fsdp_no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def step(self, micro_batches, lr):
+        total, k = 0.0, len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            # no gradient sync before the last micro-batch, for its forward too (DDP decides
+            # in forward whether this backward all-reduces: REFERENCES.md, the nanoGPT pitfall)
+            with self.sync_off() if i < k - 1 else contextlib.nullcontext():
+                with autocast(self.r, self.device):
+                    loss = loss_fn(self.model(x), y) / k
+                loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), self.r.clip or float("inf"))
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            norm = norm.full_tensor()
+        _set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, float(norm)
+
+    def full_parameters(self):
+        out = {}
+        for name, p in self.gpt.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 shards: gathered
+            out[name] = t.detach().float().cpu().clone()
+        return out
+
+
+class DeepSpeedZero3(Strategy):
+    name = "zero3"
+
+    def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int):
+        import deepspeed
+
+        from dtl.model import optimizer_groups
+
+        self.r = r
+        adamw = {"lr": r.lr, "betas": list(r.betas), "eps": r.eps, "weight_decay": r.weight_decay}
+        ds = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": accum,
+            "optimizer": {"type": "AdamW", "params": adamw},
+            "gradient_clipping": r.clip,
+            "bf16": {"enabled": r.bf16},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "steps_per_print": 10**9,
+        }  # fmt: skip
+        self.engine, *_ = deepspeed.initialize(
+            model=gpt,
+            model_parameters=optimizer_groups(gpt, r.weight_decay),
+            config=ds,
+            dist_init_required=False,
+        )
+
+    def step(self, micro_batches, lr):
+        _set_lr(self.engine.optimizer, lr)
+        total = 0.0
+        for x, y in micro_batches:
+            loss = loss_fn(self.engine(x), y)
+            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            self.engine.step()  # a no-op until the accumulation boundary
+            total += loss.item()
+        return total / len(micro_batches), float(self.engine.get_global_grad_norm())
+
+    def full_parameters(self):
+        import deepspeed
+
+        params = list(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().float().cpu().clone() for n, p in params}
+
+
+class OurTPPP(Strategy):
+    """Day 22's stack: TP over grid.tp_group, the pipeline over grid.pp_group, DP beside."""
+
+    name = "tp_pp"
+
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid, micro_batch: int, accum: int, seq_len,
+                 device, seed: int):  # fmt: skip
+        from day22_megatron import stack
+
+        self.stack_mod, self.r = stack, r
+        self.stack = stack.build_stack(
+            cfg, grid, micro_batch_size=micro_batch, microbatches=accum, seq_len=seq_len,
+            seed=seed, lr=r.lr, weight_decay=r.weight_decay, eps=r.eps, device=device,
+        )  # fmt: skip
+        for group in self.stack.optimizer.param_groups:
+            group["betas"] = r.betas
+
+    def step(self, micro_batches, lr):
+        s = self.stack_mod
+        loss = s.forward_backward(self.stack, micro_batches)
+        s.sync_gradients(self.stack)
+        norm = s.clip_gradients(self.stack, self.r.clip or None)
+        _set_lr(self.stack.optimizer, lr)
+        self.stack.optimizer.step()
+        self.stack.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def full_parameters(self):
+        return _untied(self.stack_mod.full_state(self.stack), self.stack.gpt.cfg)
+
+
+class Megatron(Strategy):
+    """megatron-core itself (day 22's train_megatron pieces), the recipe's lr set per step."""
+
+    name = "megatron"
+
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid, micro_batch: int, global_batch: int,
+                 seq_len: int, device, seed: int, steps: int):  # fmt: skip
+        import dtl.megatron as dm
+        from day22_megatron import train_megatron as tm
+
+        self.tm, self.dm, self.r, self.grid, self.cfg = tm, dm, r, grid, cfg
+        self.mcfg = tm.Config(
+            tensor_model_parallel_size=grid.tp_size, pipeline_model_parallel_size=grid.pp_size,
+            micro_batch_size=micro_batch, global_batch_size=global_batch, seq_length=seq_len,
+            train_iters=steps, lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip,
+            adam_eps=r.eps, seed=seed, use_distributed_optimizer=True, check=False,
+        )  # fmt: skip
+        self.mcfg.model_config = lambda: cfg  # the recipe's model, not a preset name
+        self._shim = contextlib.ExitStack()
+        dm.init_parallel_state(grid)
+        self._shim.enter_context(dm.cpu_shim())
+        self.chunks, self.model, self.optimizer, _ = tm.build(self.mcfg, grid, device)
+        for group in self.optimizer.param_groups:  # megatron's Adam: the recipe's betas
+            group["betas"] = r.betas
+        self.forward_step = tm.make_forward_step(seq_len, device)
+
+    def step(self, micro_batches, lr):
+        # what OptimizerParamScheduler.step writes, with the recipe's schedule instead of its own
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.r.weight_decay * group.get("wd_mult", 1.0)
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(list(micro_batches)) for _ in self.model]
+        outputs = get_forward_backward_func()(
+            forward_step_func=self.forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches), seq_length=self.mcfg.seq_length,
+            micro_batch_size=self.mcfg.micro_batch_size, forward_only=False,
+        )  # fmt: skip
+        with self.dm.optimizer_shim():
+            _, norm, _ = self.optimizer.step()
+        loss = sum(o["lm loss"].item() for o in outputs) / len(micro_batches) if outputs else None
+        return loss, float(norm)
+
+    def full_parameters(self):
+        from day22_megatron.megatron_gpt import gather_dense
+
+        return _untied(gather_dense(self.chunks, self.cfg, self.grid), self.cfg)
+
+    def close(self):
+        self._shim.close()
+        self.dm.destroy_parallel_state()
+
+
+def _untied(state: dict, cfg: GPTConfig) -> dict:
+    """A state dict keyed as named_parameters(): a tied lm_head.weight is wte.weight's name."""
+    if cfg.tie_weights:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def build(name: str, cfg: GPTConfig, r: Recipe, grid, device, *, micro_batch: int, accum: int,
+          seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
+    """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
+    if name in ("ddp", "fsdp2"):
+        return TorchData(name, GPT(cfg, seed=seed).to(device), r, device)
+    if name == "zero3":
+        return DeepSpeedZero3(GPT(cfg, seed=seed), r, micro_batch, accum)
+    if name == "tp_pp":
+        return OurTPPP(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
+    if name == "megatron":
+        global_batch = micro_batch * accum * grid.dp_size
+        return Megatron(cfg, r, grid, micro_batch, global_batch, seq_len, device, seed, steps)
+    raise ValueError(f"unknown strategy {name!r}; one of {', '.join(STRATEGIES)}")
+
+
+def mean_loss(loss: float | None, grid) -> float:
+    """The step's loss averaged over the ranks that hold it (the last pipeline stage of every
+    DP replica; every rank without a pipeline)."""
+    holders = dist.get_world_size() // grid.pp_size
+    from dtl.dist import all_reduce_scalar
+
+    return all_reduce_scalar(loss or 0.0) / holders

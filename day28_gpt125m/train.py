@@ -1,0 +1,279 @@
+"""Day 28: a ~125M GPT (GPT-2 124M, GPT-3 Small 125M) trained with any strategy of the course.
+
+CPU (gloo), the `tiny` model, ~10-20 s:
+    torchrun --standalone --nproc_per_node=2 -m day28_gpt125m.train --strategy=fsdp2
+    torchrun --standalone --nproc_per_node=2 -m day28_gpt125m.train --strategy=zero3
+    torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=tp_pp --tp=2 --pp=2
+    torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=megatron \
+        --tp=2 --pp=2
+GPUs (NCCL), GPT-2 124M, bf16, 0.5M tokens per step (the launch/ scripts for 2 and 8 GPUs, two
+nodes, Slurm and the deepspeed launcher):
+    torchrun --standalone --nproc_per_node=gpu -m day28_gpt125m.train \
+        --config day28_gpt125m/gpu.toml
+
+Environment: OMP_NUM_THREADS=1 on a CPU; DS_ACCELERATOR=cpu for zero3 on a CPU.
+
+The recipe (recipe.py): AdamW (0.9, 0.95), weight decay 0.1 on matrices, warm-up + cosine,
+clipping at 1.0, bf16 autocast on GPUs, gradient accumulation up to the global batch. The data
+(data.py): the corpus tokenized once into memory-mapped shards under data_dir, read by
+DataLoader workers a few steps ahead; a batch is a pure function of (seed, step, dp rank), so
+every strategy sees the rows the one-process reference sees, and a resumed run starts at its
+step. Each step line has the loss, lr, gradient norm, tokens/s and MFU (day 27's 6N + 12LHQT
+against the device's dense bf16 peak; n/a on a CPU) and the time spent waiting for data; the
+same go to TensorBoard. Every eval_every steps and at the end the full model is gathered to
+rank 0 and evaluated on the validation shards; at the end rank 0 samples text from it. With
+--check (small models), rank 0 trains the same GPT in one process and compares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from day28_gpt125m import data as shards
+from day28_gpt125m import fit
+from day28_gpt125m.recipe import Recipe, generate, lr_at
+from day28_gpt125m.strategies import MODEL_PARALLEL, STRATEGIES, build, mean_loss
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_tokenizer, load_corpus
+from dtl.dist import ParallelGrid
+from dtl.metrics import StepLogger, peak_flops
+from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
+from dtl.testing import one_process_gpt, reference_verdict
+
+
+@dataclass
+class Config:
+    strategy: str = "fsdp2"  # ddp | fsdp2 | zero3 | tp_pp | megatron
+    model: str = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
+    tp: int = 1  # tensor-parallel size (tp_pp, megatron)
+    pp: int = 1  # pipeline-parallel size (tp_pp, megatron); dp = world / (tp x pp)
+    micro_batch_size: int = 2  # sequences per micro-batch per DP rank
+    global_batch_size: int = 8  # sequences per step (micro x accumulation x dp)
+    seq_len: int = 32  # tokens per sequence
+    steps: int = 8  # optimizer steps
+    warmup: int = 2  # linear warm-up steps
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float = 6e-5  # the cosine's end
+    weight_decay: float = 0.1  # AdamW, matrices only
+    clip: float = 1.0  # global gradient-norm clip (0: off)
+    bf16: bool = False  # bf16 autocast (GPUs; ddp, fsdp2 and zero3)
+    compile: bool = False  # torch.compile the model (ddp, fsdp2)
+    data: str = "shakespeare"  # text source: shakespeare, a .txt file, a Hugging Face dataset
+    data_dir: str = (
+        ""  # token shards (written on first use; empty: outputs/day28_gpt125m/data-<tok>)
+    )
+    workers: int = 2  # DataLoader worker processes (0: batches built in the training process)
+    eval_every: int = 0  # steps between validation losses (0: only at the end)
+    eval_batches: int = 2  # validation batches per evaluation
+    sample_tokens: int = 32  # tokens rank 0 samples at the end (0: none)
+    check: bool = True  # rank 0 trains the one-process GPT and compares (small models only)
+    seed: int = 0  # model init and batches
+    out_dir: str = ""  # empty: outputs/day28_gpt125m/<strategy>-<model>
+
+    def model_config(self):
+        return preset(self.model)
+
+    @property
+    def world(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def accum(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def recipe(self) -> Recipe:
+        return Recipe(
+            lr=self.lr, min_lr=self.min_lr, warmup=self.warmup, steps=self.steps,
+            weight_decay=self.weight_decay, clip=self.clip, bf16=self.bf16,
+        )  # fmt: skip
+
+    def validate(self) -> None:
+        err = dtl_config.ConfigError
+        if self.strategy not in STRATEGIES:
+            raise err(f"unknown strategy '{self.strategy}'; one of {', '.join(STRATEGIES)}")
+        if self.model not in PRESETS:
+            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        if (self.tp > 1 or self.pp > 1) and self.strategy not in MODEL_PARALLEL:
+            raise err(f"--tp/--pp are for {' and '.join(MODEL_PARALLEL)}, not {self.strategy}")
+        if self.world % (self.tp * self.pp):
+            raise err(
+                f"strategy {self.strategy} with tp {self.tp} x pp {self.pp} does not fit "
+                f"{self.world} ranks (world = tp x pp x dp)"
+            )
+        rows = self.micro_batch_size * self.dp
+        if self.global_batch_size % rows:
+            raise err(
+                f"global batch {self.global_batch_size} is not divisible by micro-batch "
+                f"{self.micro_batch_size} x dp {self.dp} = {rows}"
+            )
+        cfg = self.model_config()
+        if self.seq_len > cfg.block_size:
+            raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size {cfg.block_size}")
+        try:
+            fit.check(self)  # the model state must fit the device: predicted before allocation
+        except fit.FitError as e:
+            raise err(str(e)) from None
+        self.out_dir = self.out_dir or f"outputs/day28_gpt125m/{self.strategy}-{self.model}"
+
+
+def tokens_folder(cfg: Config) -> str:
+    tok = "gpt2" if cfg.model_config().vocab_size > 50256 else "byte"
+    return cfg.data_dir or f"outputs/day28_gpt125m/data-{cfg.data}-{tok}"
+
+
+def prepare_data(cfg: Config):
+    """The train and validation shards, written once by rank 0 from dtl.data's corpus."""
+    folder = tokens_folder(cfg)
+    tok = "gpt2" if cfg.model_config().vocab_size > 50256 else "byte"
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "train", shards.INDEX)):
+        corpus = load_corpus(cfg.data, tokenizer=tok)
+        shards.write_shards(corpus.train, os.path.join(folder, "train"))
+        shards.write_shards(corpus.val, os.path.join(folder, "val"))
+    dist.barrier()
+    return (
+        shards.ShardedTokens(os.path.join(folder, "train")),
+        shards.ShardedTokens(os.path.join(folder, "val")),
+        get_tokenizer(tok),
+    )
+
+
+def micro_batches(x, y, micro: int, device):
+    return [
+        (x[i : i + micro].to(device), y[i : i + micro].to(device)) for i in range(0, len(x), micro)
+    ]
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, full: dict, val, device) -> float:
+    """Validation loss of the gathered model on rank 0 (the same rows at any world size)."""
+    gpt = GPT(cfg.model_config(), seed=cfg.seed).to(device)
+    gpt.load_state_dict(full, strict=False)
+    gpt.tie_weights()
+    batches = shards.StepBatches(val, cfg.seq_len, cfg.micro_batch_size, dp_rank=0, dp_size=1,
+                                 seed=cfg.seed + 1)  # fmt: skip
+    losses = [loss_fn(gpt(x.to(device)), y.to(device)).item() for x, y in
+              (batches[i] for i in range(cfg.eval_batches))]  # fmt: skip
+    return sum(losses) / len(losses), gpt
+
+
+def run(cfg: Config, info, grid) -> dict:
+    train, val, tokenizer = prepare_data(cfg)
+    r = cfg.recipe()
+    strategy = build(
+        cfg.strategy, cfg.model_config(), r, grid, info.device, micro_batch=cfg.micro_batch_size,
+        accum=cfg.accum, seq_len=cfg.seq_len, seed=cfg.seed, steps=cfg.steps,
+    )  # fmt: skip
+    if cfg.compile and hasattr(strategy, "model"):
+        strategy.model = torch.compile(strategy.model)
+    tokens = cfg.global_batch_size * cfg.seq_len
+    peak = peak_flops(info.device)
+    log = StepLogger(
+        cfg.out_dir, cfg.steps, tokens_per_step=tokens,
+        flops_per_token=flops_per_token(cfg.model_config(), cfg.seq_len),
+        peak_flops_per_device=peak, n_devices=info.world_size,
+    )  # fmt: skip
+    loader = shards.step_loader(
+        train, seq_len=cfg.seq_len, rows=cfg.micro_batch_size * cfg.accum, dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size, seed=cfg.seed, start_step=0, steps=cfg.steps, workers=cfg.workers,
+        pin_memory=info.device.type == "cuda",
+    )  # fmt: skip
+    losses, norms, times, waits, evals = [], [], [], [], []
+    t_wait = time.perf_counter()
+    for step, (x, y) in loader:
+        waits.append(time.perf_counter() - t_wait)  # the step was ready, or it waited for data
+        t0 = time.perf_counter()
+        loss, norm = strategy.step(micro_batches(x, y, cfg.micro_batch_size, info.device),
+                                   lr_at(step, r))  # fmt: skip
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(mean_loss(loss, grid))
+        norms.append(norm)
+        log.log(step, loss=losses[-1], lr=lr_at(step, r), grad_norm=norm, dt_s=times[-1],
+                data_ms=f"{waits[-1] * 1e3:.0f}")  # fmt: skip
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            evals.append((step + 1, _eval(cfg, strategy, val, info)))
+        t_wait = time.perf_counter()
+    log.close()
+    full = strategy.full_parameters()
+    val_loss, gpt = evaluate(cfg, full, val, info.device) if info.is_main else (None, None)
+    sample = ""
+    if info.is_main and cfg.sample_tokens:
+        sample = generate(gpt, tokenizer, "ROMEO:", cfg.sample_tokens, seed=cfg.seed)
+    strategy.close()
+    return dict(losses=losses, norms=norms, times=times, waits=waits, evals=evals, full=full,
+                val_loss=val_loss, sample=sample, train=train)  # fmt: skip
+
+
+def _eval(cfg: Config, strategy, val, info) -> float | None:
+    full = strategy.full_parameters()  # collective: every rank gathers
+    return evaluate(cfg, full, val, info.device)[0] if info.is_main else None
+
+
+def reference(cfg: Config, train) -> tuple[list[float], dict]:
+    """The one-process run: the same model, recipe, schedule and global batches."""
+    r = cfg.recipe()
+    losses, gpt = one_process_gpt(
+        cfg.model_config(), train.read(0, len(train)), seq_len=cfg.seq_len,
+        rows=cfg.global_batch_size, steps=cfg.steps, seed=cfg.seed, lr=r.lr,
+        weight_decay=r.weight_decay, eps=r.eps, betas=r.betas, clip_grad=r.clip or None,
+        lr_at=lambda step: lr_at(step, r),
+    )  # fmt: skip
+    return losses, dict(gpt.named_parameters())
+
+
+def report(cfg: Config, info, grid, result: dict) -> bool:
+    steady = result["times"][1:] or result["times"]
+    med = sorted(steady)[len(steady) // 2]
+    tokens_s = cfg.global_batch_size * cfg.seq_len / med
+    peak = peak_flops(info.device)
+    fpt = flops_per_token(cfg.model_config(), cfg.seq_len)
+    mfu = f"{fpt * tokens_s / (peak * info.world_size):.1%}" if peak else "n/a (no peak for a CPU)"
+    wait = sum(result["waits"][1:]) / max(1, sum(steady))
+    verdict = "one-process check skipped (check=false)"
+    if cfg.check:
+        verdict = reference_verdict(
+            result["losses"], result["full"], lambda: reference(cfg, result["train"]),
+            steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",
+        )  # fmt: skip
+    dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
+    val = torch.tensor([result["val_loss"] or 0.0], device=info.device)
+    dist.broadcast(val, src=0)
+    dtl_dist.print0(
+        f"summary: day28 {cfg.strategy} {cfg.model} on {info.world_size} ranks ({grid}): {verdict}"
+    )
+    dtl_dist.print0(
+        f"summary: final loss {result['losses'][-1]:.4f}, val loss {val.item():.4f}; "
+        f"{tokens_s:,.0f} tokens/s, MFU {mfu}; waiting for data {wait:.1%} of the step time"
+    )
+    return "NO" not in verdict
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    info = dtl_dist.init()
+    grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    dtl_dist.print0(
+        f"grid: {grid}; {cfg.accum} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} "
+        f"tokens per DP rank per step, {cfg.global_batch_size * cfg.seq_len:,} tokens per step"
+    )
+    result = run(cfg, info, grid)
+    ok = report(cfg, info, grid, result)
+    dtl_dist.cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
