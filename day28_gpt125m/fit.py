@@ -3,14 +3,15 @@
     need = predicted_bytes(cfg, "zero3")     # per rank: model state + activations, bytes
     check(cfg)                               # FitError (one line, with a strategy that fits)
 
-Model state per rank (fp32 master weights throughout: bf16 autocast keeps fp32 parameters), Ψ
-parameters, N = world ranks, from the days that measured each:
-    ddp        16Ψ (4 param + 4 grad + 8 Adam: day 18's table)
-    fsdp2      16Ψ/N + the largest block gathered (4 bytes each)
-    zero3      16Ψ/N + every parameter gathered from forward to backward (day 23's measurement
-               of DeepSpeed's reuse rule at its default distance: 4Ψ)
+Model state per rank, Ψ parameters, N = world ranks, fp32 (bf16 autocast keeps fp32 weights),
+from the days that measured each: resident (the partitions a rank keeps) + gathered (what it holds
+full while a step runs):
+    ddp        16Ψ: 4 param + 4 grad + 8 Adam (day 18's table)               + 0
+    fsdp2      16Ψ/N                                                          + the largest block
+    zero3      20Ψ/N: DeepSpeed keeps an fp32 master beside fp32 parameters   + every parameter
+               (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
-    megatron   layers, the embedding on the first stage, the head on the last)
+    megatron   layers, the embedding on the first stage, the head on the last) + 0
 Activations per rank: L/pp layers x 34·s·b·h x 2 bytes (fp32: Korthikanti's 16-bit count,
 doubled), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
@@ -47,30 +48,33 @@ def device_bytes(local_world: int) -> float:
 
 
 def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1, micro: int = 1,
-                    seq_len: int = 1024) -> dict[str, float]:  # fmt: skip
-    """Per-rank bytes of `strategy` for cfg (a Config of train.py's shape: its model_config())."""
+                    seq_len: int = 1024, bf16: bool = False) -> dict[str, float]:  # fmt: skip
+    """Per-rank bytes of `strategy`: resident state, gathered parameters, activations, and the
+    states and total they add up to. `cfg`: a GPTConfig, or anything with model_config()."""
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
-    psi = num_params(m)
+    psi, gathered = num_params(m), 0.0
     if strategy == "ddp":
-        states = 16 * psi
+        resident = 16 * psi
     elif strategy == "fsdp2":
-        states = 16 * psi / world + 4 * block_params(m, 1)
+        resident, gathered = 16 * psi / world, 4 * block_params(m, 1)
     elif strategy == "zero3":
-        states = 16 * psi / world + 4 * psi
+        resident, gathered = (16 if bf16 else 20) * psi / world, (2 if bf16 else 4) * psi
     else:
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
-        states = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
+        resident = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
     t = tp if strategy in ("tp_pp", "megatron") else 1
     acts = m.n_layer * 34 * seq_len * micro * m.n_embd * 2 / t
     acts += 8 * micro * seq_len * m.vocab_size / t
-    return {"states": states, "activations": acts, "total": states + acts}
+    states = resident + gathered
+    return dict(resident=resident, gathered=gathered, states=states, activations=acts,
+                total=states + acts)  # fmt: skip
 
 
 def check(cfg) -> None:
     """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world))
     have = device_bytes(local)
-    kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
+    kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len, bf16=cfg.bf16)
     need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **kw)
     if need["total"] <= have:
         return

@@ -12,6 +12,10 @@
     tp_pp     our stack (day 22): apply_tp -> apply_pp, DP by average_gradients; torch AdamW
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
 
+Checkpoints: DDP and FSDP2 through day 24's Checkpointer (DCP: sharded, atomic, reshardable),
+ZeRO-3 through DeepSpeed's save_checkpoint, our TP+PP as one file per rank (the same layout must
+load it); megatron-core's is its dist_checkpointing, not wired here (train.py refuses --resume).
+
 Every strategy takes the same recipe (AdamW betas 0.9/0.95, decay on matrices only, global-norm
 clipping, the learning rate of this step) and the same global batch, so every one must train like
 the one-process GPT: tests/test_day28_gpt125m.py checks that, strategy by strategy.
@@ -20,6 +24,7 @@ the one-process GPT: tests/test_day28_gpt125m.py checks that, strategy by strate
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,7 @@ def _set_lr(optimizer, lr: float) -> None:
 
 class Strategy:
     name = ""
+    last_state: dict | None = None  # this rank's params / grads / optim bytes at the last step
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         """One optimizer step over this DP rank's micro-batches; returns (the mean loss where
@@ -47,6 +53,14 @@ class Strategy:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """name -> the full tensor, keyed as the one-process GPT's named_parameters."""
         raise NotImplementedError
+
+    def save(self, folder: str, step: int) -> None:
+        """A checkpoint of everything the next steps need, as of `step` steps done."""
+        raise NotImplementedError(f"{self.name}: no checkpoint support")
+
+    def load(self, folder: str) -> int:
+        """Load the latest checkpoint in `folder`; returns its step (steps done)."""
+        raise NotImplementedError(f"{self.name}: no checkpoint support")
 
     def close(self) -> None:
         pass
@@ -95,8 +109,27 @@ class TorchData(Strategy):
             norm = norm.full_tensor()
         _set_lr(self.optimizer, lr)
         self.optimizer.step()
+        from day18_zero.engines import live_state_bytes  # counts an FSDP2 shard, not the whole
+
+        self.last_state = live_state_bytes(self.gpt.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total, float(norm)
+
+    def _app(self, step: int = 0):
+        from day24_checkpoint.ckpt import AppState, Progress
+
+        return AppState(self.model, self.optimizer, progress=Progress(step=step))
+
+    def save(self, folder, step):
+        # day 24: DCP, every rank writing its shards, an atomic commit, `latest`
+        from day24_checkpoint.ckpt import Checkpointer
+
+        Checkpointer(folder, keep=2).save(self._app(step), step)
+
+    def load(self, folder):
+        from day24_checkpoint.ckpt import Checkpointer
+
+        return Checkpointer(folder, keep=2).load(self._app())
 
     def full_parameters(self):
         out = {}
@@ -140,7 +173,20 @@ class DeepSpeedZero3(Strategy):
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             self.engine.step()  # a no-op until the accumulation boundary
             total += loss.item()
+        from day23_zero3_offload.measure import locations
+
+        where = locations(self.engine, dist.get_rank())
+        self.last_state = {
+            k: sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim")
+        }
         return total / len(micro_batches), float(self.engine.get_global_grad_norm())
+
+    def save(self, folder, step):
+        self.engine.save_checkpoint(folder, tag=f"step_{step}", client_state={"step": step})
+
+    def load(self, folder):
+        _, client = self.engine.load_checkpoint(folder)  # the tag in `latest`
+        return client["step"]
 
     def full_parameters(self):
         import deepspeed
@@ -174,8 +220,42 @@ class OurTPPP(Strategy):
         norm = s.clip_gradients(self.stack, self.r.clip or None)
         _set_lr(self.stack.optimizer, lr)
         self.stack.optimizer.step()
+        from day22_megatron.train_4d import state_bytes
+
+        self.last_state = state_bytes(self.stack)
         self.stack.optimizer.zero_grad(set_to_none=True)
         return loss, norm
+
+    def save(self, folder, step):
+        # one file per rank: its shards and stages and its optimizer state; the same layout
+        # (world, tp, pp) must load them. (DCP would need the shards as DTensors to reshard.)
+        path = os.path.join(folder, f"step_{step}")
+        os.makedirs(path, exist_ok=True)
+        state = {
+            "step": step,
+            "grid": self.stack.grid.sizes,
+            "params": {n: p.detach().cpu() for n, p in self.stack.named.items()},
+            "optim": self.stack.optimizer.state_dict(),
+        }
+        torch.save(state, os.path.join(path, f"rank{dist.get_rank()}.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, "latest"), "w") as f:
+                f.write(f"step_{step}")
+
+    def load(self, folder):
+        with open(os.path.join(folder, "latest")) as f:
+            path = os.path.join(folder, f.read().strip(), f"rank{dist.get_rank()}.pt")
+        state = torch.load(path, weights_only=True)
+        if state["grid"] != self.stack.grid.sizes:
+            raise ValueError(
+                f"checkpoint grid {state['grid']} != this run's {self.stack.grid.sizes}"
+            )
+        with torch.no_grad():
+            for n, p in self.stack.named.items():
+                p.copy_(state["params"][n])
+        self.stack.optimizer.load_state_dict(state["optim"])
+        return state["step"]
 
     def full_parameters(self):
         return _untied(self.stack_mod.full_state(self.stack), self.stack.gpt.cfg)

@@ -72,6 +72,10 @@ class Config:
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 2  # validation batches per evaluation
     sample_tokens: int = 32  # tokens rank 0 samples at the end (0: none)
+    save_every: int = 0  # steps between checkpoints (0: none)
+    ckpt_dir: str = ""  # empty: <out_dir>/ckpt
+    resume: bool = False  # continue from the latest checkpoint in ckpt_dir (at its step)
+    stop_at: int = 0  # stop after this many steps, keeping the schedule of `steps` (0: steps)
     check: bool = True  # rank 0 trains the one-process GPT and compares (small models only)
     seed: int = 0  # model init and batches
     out_dir: str = ""  # empty: outputs/day28_gpt125m/<strategy>-<model>
@@ -124,6 +128,13 @@ class Config:
         except fit.FitError as e:
             raise err(str(e)) from None
         self.out_dir = self.out_dir or f"outputs/day28_gpt125m/{self.strategy}-{self.model}"
+        self.ckpt_dir = self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
+        if (self.resume or self.save_every) and self.strategy == "megatron":
+            raise err("megatron-core checkpoints (dist_checkpointing) are not wired into day 28")
+        if self.stop_at and not 0 < self.stop_at < self.steps:
+            raise err(f"stop_at {self.stop_at} must be between 0 and steps {self.steps}")
+        if self.resume and not os.path.isfile(os.path.join(self.ckpt_dir, "latest")):
+            raise err(f"--resume: no checkpoint in {self.ckpt_dir} (no 'latest' file)")
 
 
 def tokens_folder(cfg: Config) -> str:
@@ -175,6 +186,13 @@ def run(cfg: Config, info, grid) -> dict:
     )  # fmt: skip
     if cfg.compile and hasattr(strategy, "model"):
         strategy.model = torch.compile(strategy.model)
+    start = strategy.load(cfg.ckpt_dir) if cfg.resume else 0
+    if cfg.resume:
+        dtl_dist.print0(f"resumed from {cfg.ckpt_dir} at step {start}")
+        if start >= cfg.steps:
+            dtl_config.exit_with_error(
+                f"the checkpoint is at step {start}: nothing left of {cfg.steps}"
+            )
     tokens = cfg.global_batch_size * cfg.seq_len
     peak = peak_flops(info.device)
     log = StepLogger(
@@ -184,7 +202,8 @@ def run(cfg: Config, info, grid) -> dict:
     )  # fmt: skip
     loader = shards.step_loader(
         train, seq_len=cfg.seq_len, rows=cfg.micro_batch_size * cfg.accum, dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size, seed=cfg.seed, start_step=0, steps=cfg.steps, workers=cfg.workers,
+        dp_size=grid.dp_size, seed=cfg.seed, start_step=start, steps=cfg.stop_at or cfg.steps,
+        workers=cfg.workers,
         pin_memory=info.device.type == "cuda",
     )  # fmt: skip
     losses, norms, times, waits, evals = [], [], [], [], []
@@ -203,6 +222,8 @@ def run(cfg: Config, info, grid) -> dict:
                 data_ms=f"{waits[-1] * 1e3:.0f}")  # fmt: skip
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             evals.append((step + 1, _eval(cfg, strategy, val, info)))
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            strategy.save(cfg.ckpt_dir, step + 1)
         t_wait = time.perf_counter()
     log.close()
     full = strategy.full_parameters()
@@ -212,7 +233,8 @@ def run(cfg: Config, info, grid) -> dict:
         sample = generate(gpt, tokenizer, "ROMEO:", cfg.sample_tokens, seed=cfg.seed)
     strategy.close()
     return dict(losses=losses, norms=norms, times=times, waits=waits, evals=evals, full=full,
-                val_loss=val_loss, sample=sample, train=train)  # fmt: skip
+                val_loss=val_loss, sample=sample, train=train, start=start,
+                state=strategy.last_state)  # fmt: skip
 
 
 def _eval(cfg: Config, strategy, val, info) -> float | None:
@@ -241,7 +263,11 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     mfu = f"{fpt * tokens_s / (peak * info.world_size):.1%}" if peak else "n/a (no peak for a CPU)"
     wait = sum(result["waits"][1:]) / max(1, sum(steady))
     verdict = "one-process check skipped (check=false)"
-    if cfg.check:
+    if cfg.resume or cfg.stop_at:
+        verdict = (
+            "one-process check skipped (a run cut in two: compare its losses with a whole one)"
+        )
+    elif cfg.check:
         verdict = reference_verdict(
             result["losses"], result["full"], lambda: reference(cfg, result["train"]),
             steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",

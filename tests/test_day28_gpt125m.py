@@ -1,0 +1,191 @@
+"""Day 28: every strategy trains the ~125M recipe like one process (on `tiny`), resumes exactly,
+its model state is what fit.py predicts; the data pipeline feeds the rows dtl.data does.
+
+One 2-rank spawn runs ddp, fsdp2 and zero3, each whole and then cut in two (stop at step 4 with
+a checkpoint, resume); one 4-rank spawn runs tp_pp (tp 2 x pp 2, also cut and resumed) and
+megatron (tp 2 x pp 2). Reference: the dtl GPT in one process, the recipe's AdamW (0.9, 0.95),
+decay on matrices, clipping at 1.0 and the warm-up + cosine schedule, on the same global batches.
+Tolerances: losses rtol 1e-5 (measured ~1e-7), parameters after 8 steps atol 1e-5 (measured
+3e-7 to 8e-7); a resumed run's losses equal the uninterrupted run's exactly (no CPU Adam here).
+"""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from day28_gpt125m import data as shards
+from day28_gpt125m import fit, train
+from day28_gpt125m.recipe import Recipe, lr_at
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import DataError, get_batch
+from dtl.dist import ParallelGrid
+from dtl.model import num_params, preset
+from dtl.testing import run_distributed, script_error
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None,
+    reason="needs the deepspeed and megatron extras",
+)
+STEPS, CUT = 8, 4
+
+
+def _config(strategy, tmp, **kw) -> train.Config:
+    tp = pp = 2 if strategy in ("tp_pp", "megatron") else 1
+    cfg = train.Config(
+        strategy=strategy, tp=tp, pp=pp, steps=STEPS, check=False, sample_tokens=0, workers=1,
+        data_dir=os.path.join(tmp, "data"), out_dir=os.path.join(tmp, strategy), **kw,
+    )  # fmt: skip
+    cfg.validate()
+    return cfg
+
+
+def _runs(tmp, strategies, resumed):
+    info = dtl_dist.init()
+    out = {}
+    for name in strategies:
+        cfg = _config(name, tmp)
+        grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+        r = train.run(cfg, info, grid)
+        out[name] = dict(losses=r["losses"], full=r["full"], state=r["state"])
+        if name in resumed:
+            cut = _config(
+                name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=os.path.join(tmp, f"ck-{name}")
+            )
+            first = train.run(cut, info, grid)["losses"]
+            again = _config(name, tmp, resume=True, ckpt_dir=cut.ckpt_dir)
+            out[name]["cut"] = first + train.run(again, info, grid)["losses"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("d28w2"))
+    names = ["ddp", "fsdp2", "zero3"]
+    return run_distributed(_runs, tmp, names, names, world_size=2, timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("d28w4"))
+    return run_distributed(_runs, tmp, ["tp_pp", "megatron"], ["tp_pp"], world_size=4,
+                           timeout_s=300)[0]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("d28ref"))
+    cfg = train.Config(steps=STEPS, data_dir=os.path.join(tmp, "data"))
+    from dtl.data import load_corpus
+
+    corpus = load_corpus(tokenizer="byte")
+    shards.write_shards(corpus.train, os.path.join(tmp, "train"))
+    return train.reference(cfg, shards.ShardedTokens(os.path.join(tmp, "train")))
+
+
+def _check(run, reference, name):
+    ref_losses, ref_params = reference
+    torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=0, msg=name)
+    assert run["full"].keys() == ref_params.keys(), name
+    gap = max((run["full"][k] - ref_params[k].detach()).abs().max().item() for k in ref_params)
+    assert gap <= 1e-5, f"{name}: parameters {gap:.1e} from one process"
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3"])
+def test_data_parallel_strategies_train_like_one_process(two_ranks, reference, name):
+    _check(two_ranks[name], reference, name)
+
+
+@pytest.mark.parametrize("name", ["tp_pp", "megatron"])
+def test_model_parallel_strategies_train_like_one_process(four_ranks, reference, name):
+    _check(four_ranks[name], reference, name)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3", "tp_pp"])
+def test_a_run_cut_in_two_and_resumed_equals_the_whole_run(two_ranks, four_ranks, name):
+    run = {**two_ranks, **four_ranks}[name]
+    assert run["cut"] == run["losses"], f"{name}: {run['cut']} vs {run['losses']}"
+
+
+@pytest.mark.parametrize("name, world", [("ddp", 2), ("fsdp2", 2), ("zero3", 2), ("tp_pp", 4)])
+def test_measured_state_per_rank_is_the_fit_prediction(two_ranks, four_ranks, name, world):
+    run = {**two_ranks, **four_ranks}[name]
+    got = sum(run["state"].values())
+    tp = pp = 2 if name == "tp_pp" else 1
+    want = fit.predicted_bytes(preset("tiny"), name, world=world, tp=tp, pp=pp)["resident"]
+    assert abs(got - want) <= 0.01 * want, f"{name}: measured {got:,} vs predicted {want:,.0f}"
+
+
+# --- the data pipeline -------------------------------------------------------------------------
+
+
+def test_shards_round_trip_across_boundaries_in_llm_c_format(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50257, 10_000).astype(np.uint16)
+    shards.write_shards(tokens, str(tmp_path), shard_tokens=3_000)
+    data = shards.ShardedTokens(str(tmp_path))
+    assert len(data) == 10_000 and len(data.paths) == 4
+    assert np.array_equal(data.read(0, 10_000), tokens)
+    assert np.array_equal(data.read(2_990, 3_020), tokens[2_990:6_010])  # three shards
+    header = np.fromfile(data.paths[0], dtype=np.int32, count=256)
+    assert list(header[:3]) == [20240520, 1, 3_000]
+    bad = tmp_path / "shard_00001.bin"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(DataError, match="is truncated"):
+        shards.ShardedTokens(str(tmp_path))
+
+
+def test_step_batches_are_dtl_get_batch_rows_and_a_loader_resumes_at_its_step(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 256, 5_000).astype(np.uint16)
+    shards.write_shards(tokens, str(tmp_path), shard_tokens=1_024)
+    data = shards.ShardedTokens(str(tmp_path))
+    ds = shards.StepBatches(data, 16, 3, dp_rank=1, dp_size=2, seed=7)
+    for step in (0, 5):
+        x, y = get_batch(tokens, 16, 3, seed=7, step=step, dp_rank=1, dp_size=2)
+        assert torch.equal(ds[step][0], x) and torch.equal(ds[step][1], y)
+    kw = dict(seq_len=16, rows=3, dp_rank=1, dp_size=2, seed=7, steps=6)
+    whole = list(shards.step_loader(data, start_step=0, workers=2, **kw))
+    resumed = list(shards.step_loader(data, start_step=3, workers=2, **kw))
+    assert [s for s, _ in resumed] == [3, 4, 5]
+    for (s1, b1), (s2, b2) in zip(whole[3:], resumed):
+        assert s1 == s2 and torch.equal(b1[0], b2[0]) and torch.equal(b1[1], b2[1])
+
+
+def test_the_schedule_warms_up_linearly_then_decays_to_min_lr():
+    r = Recipe(lr=6e-4, min_lr=6e-5, warmup=4, steps=20)
+    assert [lr_at(s, r) for s in range(4)] == pytest.approx([1.5e-4, 3e-4, 4.5e-4, 6e-4])
+    assert lr_at(4, r) == pytest.approx(6e-4) and lr_at(20, r) == pytest.approx(6e-5)
+    lrs = [lr_at(s, r) for s in range(4, 21)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--strategy=tp_pp", "--tp=3"], "4", "tp 3 x pp 1 does not fit 4 ranks"),
+        (["--global_batch_size=6"], "4", "global batch 6 is not divisible by micro-batch 2 x dp 4"),
+        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp and megatron, not ddp"),
+        (["--strategy=pipe"], "2", "unknown strategy 'pipe'"),
+    ],
+)
+def test_bad_input_is_one_line(args, world, message, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(dtl_config.ConfigError) as err:
+        dtl_config.load(train.Config, [*args, f"--out_dir={tmp_path}"])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_allocation_with_what_fits():
+    line = script_error(
+        "day28_gpt125m.train", "--model=gpt2-124m", "--strategy=ddp", "--seq_len=1024",
+        "--global_batch_size=16",
+        env={"WORLD_SIZE": "8", "DTL_DEVICE_MEMORY_GB": "3"},
+    )  # fmt: skip
+    assert "gpt2-124m with ddp needs ~" in line and "the device has 3.0 GB" in line
+    assert "strategies that fit: fsdp2" in line
+    assert num_params(preset("gpt2-124m")) * 16 / 1e9 > 1.9  # ddp's 16 bytes per parameter
