@@ -36,7 +36,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.model import GPT, PRESETS, loss_fn, preset, warmup_cosine
 
 PARALLEL = ("ddp", "fsdp2")
 RESUME = ("auto", "none", "latest")
@@ -122,15 +122,7 @@ def build(cfg: Config, info):
 
 
 def _schedule(cfg: Config):
-    import math
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
+    return lambda step: warmup_cosine(step, warmup=cfg.warmup, steps=cfg.steps, min_ratio=0.1)
 
 
 def params_sha256(model) -> str:

@@ -12,8 +12,8 @@ full while a step runs):
                (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
     megatron   layers, the embedding on the first stage, the head on the last) + 0
-Activations per rank: L/pp layers x 34·s·b·h x 2 bytes (fp32: Korthikanti's 16-bit count,
-doubled), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
+Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
+fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
 The device: CUDA's total memory, or on a CPU the machine's RAM shared by the local ranks;
 DTL_DEVICE_MEMORY_GB overrides it (the tests, and a what-if on any machine).
@@ -63,7 +63,7 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
         resident = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
     t = tp if strategy in ("tp_pp", "megatron") else 1
-    acts = m.n_layer * 34 * seq_len * micro * m.n_embd * 2 / t
+    acts = m.n_layer * 34 * seq_len * micro * m.n_embd * (1 if bf16 else 2) / t
     acts += 8 * micro * seq_len * m.vocab_size / t
     states = resident + gathered
     return dict(resident=resident, gathered=gathered, states=states, activations=acts,

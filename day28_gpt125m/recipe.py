@@ -14,13 +14,12 @@ the matrices only, gradient clipping at 1.0, peak lr 6e-4, warm-up then cosine t
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dtl.model import optimizer_groups
+from dtl.model import optimizer_groups, warmup_cosine
 
 
 @dataclass
@@ -38,15 +37,7 @@ class Recipe:
 
 def lr_at(step: int, r: Recipe) -> float:
     """Linear warm-up over `warmup` steps, then a cosine from lr to min_lr at `steps`."""
-    if step < r.warmup:
-        return r.lr * (step + 1) / r.warmup
-    progress = min(1.0, (step - r.warmup) / max(1, r.steps - r.warmup))
-    return r.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (r.lr - r.min_lr)
-
-
-def lr_factor(r: Recipe):
-    """lr_at as a multiplier of the peak, for torch's LambdaLR."""
-    return lambda step: lr_at(step, r) / r.lr
+    return r.lr * warmup_cosine(step, warmup=r.warmup, steps=r.steps, min_ratio=r.min_lr / r.lr)
 
 
 def make_adamw(params, r: Recipe, fused: bool | None = None) -> torch.optim.AdamW:

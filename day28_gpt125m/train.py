@@ -27,6 +27,7 @@ rank 0 and evaluated on the validation shards; at the end rank 0 samples text fr
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -65,9 +66,7 @@ class Config:
     bf16: bool = False  # bf16 autocast (GPUs; ddp, fsdp2 and zero3)
     compile: bool = False  # torch.compile the model (ddp, fsdp2)
     data: str = "shakespeare"  # text source: shakespeare, a .txt file, a Hugging Face dataset
-    data_dir: str = (
-        ""  # token shards (written on first use; empty: outputs/day28_gpt125m/data-<tok>)
-    )
+    data_dir: str = ""  # token shards, written on first use (empty: in outputs/day28_gpt125m)
     workers: int = 2  # DataLoader worker processes (0: batches built in the training process)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 2  # validation batches per evaluation
@@ -78,6 +77,7 @@ class Config:
     stop_at: int = 0  # stop after this many steps, keeping the schedule of `steps` (0: steps)
     check: bool = True  # rank 0 trains the one-process GPT and compares (small models only)
     seed: int = 0  # model init and batches
+    local_rank: int = -1  # passed by the deepspeed launcher; LOCAL_RANK is what is read
     out_dir: str = ""  # empty: outputs/day28_gpt125m/<strategy>-<model>
 
     def model_config(self):
@@ -273,6 +273,15 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
             steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",
         )  # fmt: skip
     dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
+    if info.is_main:  # what compare.py reads beside its predictions
+        state = sum(result["state"].values()) if result["state"] else None
+        summary = dict(
+            run=os.path.basename(cfg.out_dir), strategy=cfg.strategy, model=cfg.model,
+            world=info.world_size, tp=cfg.tp, pp=cfg.pp, state_bytes=state,
+            tokens_per_s=tokens_s, final_loss=result["losses"][-1],
+        )  # fmt: skip
+        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     val = torch.tensor([result["val_loss"] or 0.0], device=info.device)
     dist.broadcast(val, src=0)
     dtl_dist.print0(

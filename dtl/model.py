@@ -375,6 +375,15 @@ def optimizer_groups(params, weight_decay: float) -> list[dict]:
     ]
 
 
+def warmup_cosine(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
+    """The learning-rate multiplier of step `step`: linear warm-up to 1 over `warmup` steps,
+    then a cosine down to `min_ratio` at `steps` (GPT-3's and nanoGPT's schedule; days 24, 28)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------
 
 

@@ -189,3 +189,37 @@ def test_a_model_that_does_not_fit_is_refused_before_allocation_with_what_fits()
     assert "gpt2-124m with ddp needs ~" in line and "the device has 3.0 GB" in line
     assert "strategies that fit: fsdp2" in line
     assert num_params(preset("gpt2-124m")) * 16 / 1e9 > 1.9  # ddp's 16 bytes per parameter
+
+
+LAUNCH = os.path.join(os.path.dirname(train.__file__), "launch")
+
+
+@pytest.mark.parametrize(
+    "script, env, world",
+    [
+        ("train_2gpu.sh", {}, 2),
+        ("train_8gpu.sh", {"STRATEGY": "tp_pp", "TP": "2", "PP": "2"}, 8),
+        ("train_2node.sh", {"NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, 16),
+        ("slurm.sbatch", {"SLURM_NNODES": "2", "HEAD_NODE": "n0"}, 16),
+        ("deepspeed.sh", {}, 16),
+    ],
+)
+def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(script, env, world, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    import shlex
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", os.path.join(LAUNCH, script)], capture_output=True, text=True, check=True,
+        env={**os.environ, "DRY_RUN": "1", **env},
+    ).stdout  # fmt: skip
+    words = shlex.split(out)
+    if words[0] == "deepspeed":  # the script by path, --local_rank added by the launcher
+        args = words[words.index("day28_gpt125m/train.py") + 1 :] + ["--local_rank=0"]
+    else:
+        assert "torchrun" in words and words[words.index("-m") + 1] == "day28_gpt125m.train"
+        args = words[words.index("-m") + 2 :]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the scripts are written for
+    cfg = dtl_config.load(train.Config, [*args, f"--out_dir={tmp_path}"])
+    assert cfg.model == "gpt2-124m" and cfg.global_batch_size * cfg.seq_len == 524_288

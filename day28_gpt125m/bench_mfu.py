@@ -1,0 +1,117 @@
+"""Day 28: the single-GPU MFU of GPT-2 124M, tuned: bf16, fused attention, fused AdamW,
+torch.compile, and the micro-batch that runs fastest; MFU in nanoGPT's convention beside the
+datasheet peak and day 27's measured matmul ceiling.
+
+    torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.bench_mfu          # on one GPU
+    torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.bench_mfu --compile=false
+
+MFU = 6N + 12·L·H·Q·T FLOPs per token (PaLM appendix B; nanoGPT's estimate_mfu, full attention)
+x tokens/s / the dense bf16 peak (dtl.metrics.PEAK_BF16_FLOPS: H100/H200 SXM 989 TFLOP/s).
+Targets from REFERENCES.md: llm.c's GPT-2 124M run works out to ~56% on 8 x A100; MPT-125M in
+llm-foundry reports 44.8%. The script needs a CUDA GPU: on a CPU it prints a `skipped:` line (the
+tour shows SKIP); day 27's bench measures a CPU's MFU against its own ceiling instead.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from day27_profiling.ceiling import step_ceiling
+from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.metrics import peak_flops
+from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
+
+
+@dataclass
+class Config:
+    model: str = "gpt2-124m"  # GPT preset
+    seq_len: int = 1024  # tokens per sequence
+    micro_batches: str = "8,16,32"  # micro-batch sizes tried (the fastest is reported)
+    steps: int = 10  # timed steps per micro-batch (after 3 warm-up steps)
+    compile: bool = True  # torch.compile the model
+    out_dir: str = "outputs/day28_gpt125m/bench_mfu"  # config.json
+
+    def validate(self) -> None:
+        if self.model not in PRESETS:
+            raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(PRESETS)}")
+        try:
+            sizes = [int(b) for b in self.micro_batches.split(",")]
+        except ValueError:
+            raise dtl_config.ConfigError(
+                f"micro_batches must be integers, got {self.micro_batches!r}"
+            ) from None
+        if min(sizes) < 1:
+            raise dtl_config.ConfigError("micro_batches must be >= 1")
+
+
+def tokens_per_s(cfg: Config, b: int, tokens, device) -> float | None:
+    """Median tokens/s of full training steps at micro-batch b; None if it does not fit."""
+    gpt = GPT(preset(cfg.model), seed=0).to(device)
+    opt = make_adamw(gpt, Recipe(), fused=True)
+    model = torch.compile(gpt) if cfg.compile else gpt
+    r = Recipe(bf16=True)
+    times = []
+    try:
+        for step in range(cfg.steps + 3):
+            x, y = (t.to(device) for t in get_batch(tokens, cfg.seq_len, b, seed=0, step=step))
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with autocast(r, device):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            if step >= 3:
+                times.append(time.perf_counter() - t0)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        del model, gpt, opt
+        torch.cuda.empty_cache()
+    return b * cfg.seq_len / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = dtl_config.parse(Config, argv)
+    if not torch.cuda.is_available():
+        reason = "bench_mfu measures one CUDA GPU; this machine has none (day 27's bench "
+        print(f"skipped: {reason}--part=mfu measures a CPU against its own ceiling)", flush=True)
+        return
+    info = dtl_dist.init()
+    dtl_config.save(cfg, cfg.out_dir, argv)
+    mcfg = preset(cfg.model)
+    tokens = load_corpus(tokenizer="auto").train
+    torch.backends.cuda.matmul.allow_tf32 = True
+    fpt = flops_per_token(mcfg, cfg.seq_len)  # nanoGPT: full attention
+    peak = peak_flops(info.device)
+    results = {}
+    for b in (int(v) for v in cfg.micro_batches.split(",")):
+        results[b] = tokens_per_s(cfg, b, tokens, info.device)
+        shown = f"{results[b]:,.0f} tokens/s" if results[b] else "out of memory"
+        dtl_dist.print0(f"micro-batch {b}: {shown}")
+    best = max((b for b in results if results[b]), key=lambda b: results[b])
+    achieved = fpt * results[best]
+    ceiling = step_ceiling(mcfg, best * cfg.seq_len, dtype=torch.bfloat16, device=info.device)
+    name = torch.cuda.get_device_name(info.device)
+    dtl_dist.print0(
+        f"summary: day28 bench_mfu {cfg.model} on {name}: micro-batch {best} x {cfg.seq_len}, "
+        f"{results[best]:,.0f} tokens/s, {achieved / 1e12:.1f} TFLOP/s: MFU "
+        f"{achieved / peak:.1%} of the {peak / 1e12:.0f} TFLOP/s peak (nanoGPT convention), "
+        f"{achieved / ceiling['ceiling']:.1%} of the measured matmul ceiling "
+        f"{ceiling['ceiling'] / 1e12:.0f} TFLOP/s; compile={cfg.compile}, bf16, fused AdamW, SDPA"
+    )
+    dtl_dist.cleanup()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "outputs/day28_gpt125m/inductor")
+    main()
