@@ -37,7 +37,7 @@ from day20_pp.pipeline import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import PRESETS, preset
@@ -92,11 +92,7 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
         dp_rank=grid.dp_rank,
         dp_size=grid.dp_size,
     )
-    b = cfg.micro_batch_size
-    return [
-        (x[i * b : (i + 1) * b].to(device), y[i * b : (i + 1) * b].to(device))
-        for i in range(cfg.microbatches)
-    ]
+    return split_micro_batches(x, y, cfg.micro_batch_size, device)
 
 
 def run(cfg: Config, info, grid) -> dict:

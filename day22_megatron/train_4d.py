@@ -42,7 +42,7 @@ from day22_megatron.stack import (
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import PRESETS
@@ -126,7 +126,7 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
         tokens, cfg.seq_len, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
         dp_size=grid.dp_size,
     )  # fmt: skip
-    return [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
+    return split_micro_batches(x, y, b, device)
 
 
 def axis_groups(stack) -> dict[str, list]:

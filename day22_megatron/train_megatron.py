@@ -43,7 +43,7 @@ from day22_megatron.layouts import padded_preset
 from day22_megatron.megatron_gpt import build_model_chunks, gather_dense, load_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS
@@ -158,7 +158,7 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
         tokens, cfg.seq_length, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
         dp_size=grid.dp_size,
     )  # fmt: skip
-    return [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
+    return split_micro_batches(x, y, b, device)
 
 
 def build(cfg: Config, grid, device):

@@ -41,7 +41,7 @@ from day28_gpt125m.recipe import Recipe, generate, lr_at
 from day28_gpt125m.strategies import MODEL_PARALLEL, STRATEGIES, build, mean_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_tokenizer, load_corpus
+from dtl.data import get_tokenizer, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
 from dtl.metrics import StepLogger, peak_flops
 from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
@@ -158,12 +158,6 @@ def prepare_data(cfg: Config):
     )
 
 
-def micro_batches(x, y, micro: int, device):
-    return [
-        (x[i : i + micro].to(device), y[i : i + micro].to(device)) for i in range(0, len(x), micro)
-    ]
-
-
 @torch.no_grad()
 def evaluate(cfg: Config, full: dict, val, device) -> float:
     """Validation loss of the gathered model on rank 0 (the same rows at any world size)."""
@@ -211,7 +205,7 @@ def run(cfg: Config, info, grid) -> dict:
     for step, (x, y) in loader:
         waits.append(time.perf_counter() - t_wait)  # the step was ready, or it waited for data
         t0 = time.perf_counter()
-        loss, norm = strategy.step(micro_batches(x, y, cfg.micro_batch_size, info.device),
+        loss, norm = strategy.step(split_micro_batches(x, y, cfg.micro_batch_size, info.device),
                                    lr_at(step, r))  # fmt: skip
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)

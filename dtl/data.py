@@ -257,6 +257,16 @@ def get_batch(
     return cp_shard(x, cp_rank, cp_size, cp_split), cp_shard(y, cp_rank, cp_size, cp_split)
 
 
+def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int, device=None) -> list:
+    """(rows, T) inputs and targets -> [(x, y), ...] of `micro` rows each, moved to `device`:
+    a DP rank's share of a step, cut for gradient accumulation or a pipeline's micro-batches."""
+    if len(x) % micro:
+        raise DataError(f"{len(x)} rows do not split into micro-batches of {micro}")
+    return [
+        (x[i : i + micro].to(device), y[i : i + micro].to(device)) for i in range(0, len(x), micro)
+    ]
+
+
 # --- context parallelism: which tokens of a sequence each cp rank holds ------------------------
 
 CP_SPLITS = ("contiguous", "zigzag")

@@ -1,12 +1,13 @@
 """Day 28: every strategy trains the ~125M recipe like one process (on `tiny`), resumes exactly,
 its model state is what fit.py predicts; the data pipeline feeds the rows dtl.data does.
 
-One 2-rank spawn runs ddp, fsdp2 and zero3, each whole and then cut in two (stop at step 4 with
-a checkpoint, resume); one 4-rank spawn runs tp_pp (tp 2 x pp 2, also cut and resumed) and
-megatron (tp 2 x pp 2). Reference: the dtl GPT in one process, the recipe's AdamW (0.9, 0.95),
-decay on matrices, clipping at 1.0 and the warm-up + cosine schedule, on the same global batches.
-Tolerances: losses rtol 1e-5 (measured ~1e-7), parameters after 8 steps atol 1e-5 (measured
-3e-7 to 8e-7); a resumed run's losses equal the uninterrupted run's exactly (no CPU Adam here).
+One 2-rank spawn runs ddp, fsdp2 and zero3, each cut in two (stop after step 4 with a checkpoint,
+resume in a fresh strategy, finish); one 4-rank spawn runs tp_pp (tp 2 x pp 2, also cut and
+resumed) and megatron (tp 2 x pp 2, whole). A resumed run equal to one process over all 8 steps
+is an exact resume: any state lost at the cut shows in steps 5-8. Reference: the dtl GPT in one
+process, the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up +
+cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5 (measured ~1e-7),
+parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
 import importlib.util
@@ -44,20 +45,24 @@ def _config(strategy, tmp, **kw) -> train.Config:
 
 
 def _runs(tmp, strategies, resumed):
+    """Each strategy's losses over the whole schedule, its final parameters and state. A
+    strategy in `resumed` trains it cut in two: stop after step CUT with a checkpoint, restart
+    from it in a fresh strategy, finish; its losses must still be the one-process run's."""
     info = dtl_dist.init()
     out = {}
     for name in strategies:
-        cfg = _config(name, tmp)
-        grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-        r = train.run(cfg, info, grid)
-        out[name] = dict(losses=r["losses"], full=r["full"], state=r["state"])
         if name in resumed:
-            cut = _config(
-                name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=os.path.join(tmp, f"ck-{name}")
-            )
+            ckpt = os.path.join(tmp, f"ck-{name}")
+            cut = _config(name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
+            grid = ParallelGrid(tp=cut.tp, pp=cut.pp, dp=cut.dp)
             first = train.run(cut, info, grid)["losses"]
-            again = _config(name, tmp, resume=True, ckpt_dir=cut.ckpt_dir)
-            out[name]["cut"] = first + train.run(again, info, grid)["losses"]
+            r = train.run(_config(name, tmp, resume=True, ckpt_dir=ckpt), info, grid)
+            losses = first + r["losses"]
+        else:
+            cfg = _config(name, tmp)
+            r = train.run(cfg, info, ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
+            losses = r["losses"]
+        out[name] = dict(losses=losses, full=r["full"], state=r["state"])
     return out
 
 
@@ -95,19 +100,15 @@ def _check(run, reference, name):
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3"])
-def test_data_parallel_strategies_train_like_one_process(two_ranks, reference, name):
+def test_data_parallel_strategies_cut_and_resumed_train_like_one_process(
+    two_ranks, reference, name
+):
     _check(two_ranks[name], reference, name)
 
 
 @pytest.mark.parametrize("name", ["tp_pp", "megatron"])
 def test_model_parallel_strategies_train_like_one_process(four_ranks, reference, name):
     _check(four_ranks[name], reference, name)
-
-
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3", "tp_pp"])
-def test_a_run_cut_in_two_and_resumed_equals_the_whole_run(two_ranks, four_ranks, name):
-    run = {**two_ranks, **four_ranks}[name]
-    assert run["cut"] == run["losses"], f"{name}: {run['cut']} vs {run['losses']}"
 
 
 @pytest.mark.parametrize("name, world", [("ddp", 2), ("fsdp2", 2), ("zero3", 2), ("tp_pp", 4)])
