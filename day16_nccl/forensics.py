@@ -7,6 +7,11 @@ GPUs (NCCL), one process per GPU:
 CPU: NCCL needs GPUs, so the same all-reduces run on gloo, and the report is shown for a bundled
 log fixture (hand-written in NCCL's line formats, labelled as such):
     torchrun --standalone --nproc_per_node=2 -m day16_nccl.forensics
+A real hang, on any machine (gloo): rank R skips the last all-reduce, the others time out, every
+rank dumps its Flight Recorder buffer and rank 0 names the rank behind from the dumps alone
+(flight_recorder.py; ~10 s):
+    torchrun --standalone --nproc_per_node=2 -m day16_nccl.forensics \
+        --hang_rank=1 --hang_timeout_s=5
 
 The environment this script sets before the first NCCL call (yours win if already set):
     NCCL_DEBUG=INFO  NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING,COLL
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from day16_nccl import nccl_log
+from day16_nccl import flight_recorder, nccl_log
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 
@@ -34,6 +39,8 @@ class Config:
     sizes: str = "4096,1048576,67108864"  # bytes per all-reduce: small (LL) to large (Simple)
     fixture: str = "multinode.log"  # the log shown on machines without GPUs (in nccl_logs/)
     out_dir: str = "outputs/day16_nccl/forensics"  # the NCCL log of this run and the report
+    hang_rank: int = -1  # drill: this rank skips the last all-reduce (-1: no drill)
+    hang_timeout_s: float = 10.0  # drill: the process group's timeout (the others' wait)
 
     def validate(self) -> None:
         try:
@@ -42,6 +49,13 @@ class Config:
             raise dtl_config.ConfigError(f"sizes must be integers, got '{self.sizes}'") from None
         if not sizes or min(sizes) < 4:
             raise dtl_config.ConfigError(f"sizes must be >= 4 bytes (one float), got {sizes}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.hang_rank < -1 or self.hang_rank >= world or (self.hang_rank >= 0 and world < 2):
+            raise dtl_config.ConfigError(
+                f"hang_rank {self.hang_rank} needs a rank of a world of >= 2 (world is {world})"
+            )
+        if self.hang_timeout_s <= 0:
+            raise dtl_config.ConfigError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if not os.path.isfile(os.path.join(FIXTURES, self.fixture)):
             raise dtl_config.ConfigError(
                 f"fixture '{self.fixture}' not in {FIXTURES}: {sorted(os.listdir(FIXTURES))}"
@@ -93,8 +107,59 @@ def report_lines(rep: nccl_log.Report) -> str:
     )
 
 
+def hang_drill(cfg: Config) -> None:
+    """One rank stops taking part; the rest wait until the timeout; the dumps say who and where.
+
+    gloo raises in the waiting ranks at the timeout, so they can dump and report. (On NCCL the
+    watchdog does the dumping: TORCH_FR_DUMP_TEMP_FILE=<prefix> writes <prefix><rank> for every
+    rank at the timeout, before it aborts; the same report reads those.)"""
+    import time
+
+    prefix = os.path.join(os.path.abspath(cfg.out_dir), "fr_trace_rank_")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    flight_recorder.enable(prefix)  # before the process group: torch reads it at creation
+    info = dtl_dist.init(backend="gloo", timeout=cfg.hang_timeout_s)
+    dtl_config.save(cfg, cfg.out_dir)
+    sizes = cfg.byte_sizes()
+    for nbytes in sizes[:-1]:  # every rank takes part in these
+        dist.all_reduce(torch.ones(nbytes // 4))
+    if info.rank == cfg.hang_rank:
+        dtl_dist.print_rank(f"drill: skipping the all_reduce of {sizes[-1]} bytes")
+        time.sleep(cfg.hang_timeout_s + 2)  # a rank busy elsewhere (a data loader, a bug)
+    else:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(sizes[-1] // 4))
+        except RuntimeError as e:  # gloo: "Timed out waiting ... for recv operation"
+            waited = time.monotonic() - t0
+            why = str(e).splitlines()[0][-60:]
+            dtl_dist.print_rank(f"all_reduce timed out after {waited:.1f} s: {why}")
+    flight_recorder.dump(prefix, info.rank)  # gloo has no watchdog dump: write it by hand
+    ok = True
+    if info.is_main:
+        paths = [f"{prefix}{r}" for r in range(info.world_size)]
+        deadline = time.monotonic() + cfg.hang_timeout_s + 30
+        while not all(os.path.isfile(p) for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the group is broken: the dumps meet on disk, not by collective
+        findings = flight_recorder.report(paths)
+        for f in findings:
+            print(f"FLIGHT RECORDER: {f.line()}", flush=True)
+        named = sorted({r for f in findings for r in f.behind})
+        ok = named == [cfg.hang_rank]
+        print(
+            f"summary: forensics drill (Flight Recorder, gloo, {info.world_size} ranks): rank "
+            f"{cfg.hang_rank} skipped an all_reduce; the dumps name {named}: "
+            f"{'yes' if ok else 'NO'}",
+            flush=True,
+        )
+    # no cleanup(): the group's last collective never completed, so a barrier would time out too
+    os._exit(0 if ok else 1)
+
+
 def main() -> None:
     cfg = dtl_config.parse(Config)  # bad input exits here, before any collective
+    if cfg.hang_rank >= 0:
+        hang_drill(cfg)
     gpus = torch.cuda.device_count()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     use_nccl = dtl_dist.choose_backend(local) == "nccl"  # the kit's rule (and DTL_BACKEND)

@@ -213,6 +213,16 @@ def last_calls(rep: Report) -> dict[str, dict[int, int]]:
     return dict(by_comm)
 
 
+def behind(last: dict[int, int]) -> tuple[list[int], int] | None:
+    """Given each rank's last sequence number on one communicator (an NCCL opCount, a Flight
+    Recorder collective_seq_id), the ranks that never reached the highest one and that number;
+    None when every rank is at the same place. A hang: they are the ranks the others wait for."""
+    if len(set(last.values())) < 2:
+        return None
+    top = max(last.values())
+    return sorted(r for r, seq in last.items() if seq < top), top
+
+
 # ---------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------
@@ -254,14 +264,13 @@ def format_report(rep: Report) -> str:
     if rep.calls and not any(c["algo"] for c in rep.calls):
         out.append("  algorithm/protocol: not stated (add TUNING to NCCL_DEBUG_SUBSYS)")
     for comm_id, last in last_calls(rep).items():
-        if len(set(last.values())) < 2:
+        late = behind(last)
+        if late is None:
             continue
-        top = max(last.values())
-        behind = sorted(r for r, op in last.items() if op < top)
         seen = ", ".join(f"{r}: {op:x}" for r, op in sorted(last.items()))
         out.append(
             f"HANG SUSPECT (comm {comm_id}): last opCount per rank {{{seen}}}: "
-            f"rank(s) {behind} never reached opCount {top:x}"
+            f"rank(s) {late[0]} never reached opCount {late[1]:x}"
         )
     out += [f"WARN {w}" for w in rep.warnings]
     return "\n".join(out)

@@ -3,6 +3,7 @@ collective, every op's correctness check passes (and can fail), busbw uses nccl-
 the step/byte counts match, Ctrl-C prints the partial table, the CPU forensics path works."""
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -12,7 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from day16_nccl import algorithms, bench, cost_model, forensics, nccl_log, ops, report
+from day16_nccl import (
+    algorithms,
+    bench,
+    cost_model,
+    flight_recorder,
+    forensics,
+    nccl_log,
+    ops,
+    report,
+)
 from dtl import config as dtl_config
 from dtl import registry
 from dtl.testing import run_distributed
@@ -50,10 +60,54 @@ def test_nccl_knobs_accept_what_nccl_accepts():
     dtl_config.load(bench.Config, ["--nccl_algo=allreduce:^tree"])  # per-function exclusion
 
 
-def test_forensics_rejects_bad_input():
-    for argv in (["--sizes=2"], ["--sizes=a,b"], ["--fixture=missing.log"]):
+def test_forensics_rejects_bad_input(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv in (
+        ["--sizes=2"],
+        ["--sizes=a,b"],
+        ["--fixture=missing.log"],
+        ["--hang_rank=2"],  # no such rank in a world of 2
+        ["--hang_rank=-3"],
+        ["--hang_rank=1", "--hang_timeout_s=0"],
+    ):
         with pytest.raises(dtl_config.ConfigError):
             dtl_config.load(forensics.Config, argv)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(dtl_config.ConfigError, match="world of >= 2"):
+        dtl_config.load(forensics.Config, ["--hang_rank=0"])  # nobody left to wait
+
+
+def _fr_entry(seq, name, sizes, state="completed", group=("0", "default_pg")):
+    return {"collective_seq_id": seq, "profiling_name": name, "state": state,
+            "input_sizes": sizes, "process_group": list(group)}  # fmt: skip
+
+
+def _write_dump(tmp_path, rank, entries):
+    path = str(tmp_path / f"fr_trace_rank_{rank}")  # torch's layout: a pickle per rank
+    with open(path, "wb") as f:
+        pickle.dump({"version": "2.10", "pg_config": {}, "entries": entries}, f)
+    return path
+
+
+def test_flight_recorder_report_names_the_rank_behind(tmp_path):
+    done = [_fr_entry(s, "gloo:all_reduce", [[1024]]) for s in (1, 2)]
+    stuck = _fr_entry(3, "gloo:all_reduce", [[16777216]], state="scheduled")
+    other = ("1", "tp_group")  # a second group where all ranks agree: not a finding
+    agree = [_fr_entry(1, "gloo:broadcast", [[8]], group=other)]
+    paths = [
+        _write_dump(tmp_path, 0, done + [stuck] + agree),
+        _write_dump(tmp_path, 1, done + agree),  # rank 1 never entered #3
+        _write_dump(tmp_path, 2, done + [stuck] + agree),
+    ]
+    (finding,) = flight_recorder.report(paths)
+    assert finding.group == "0/default_pg" and finding.behind == [1] and finding.top == 3
+    assert finding.last == {0: 3, 1: 2, 2: 3}
+    assert "16777216" in finding.waiting_in and "scheduled" in finding.waiting_in
+    assert "rank(s) [1] fell behind" in finding.line() and "#2 gloo:all_reduce" in finding.line()
+    same = [_write_dump(tmp_path, r, done) for r in range(2)]
+    assert flight_recorder.report(same) == []  # every rank at the same place: no suspect
+    with pytest.raises(ValueError, match="<prefix><rank>"):
+        flight_recorder.load(str(tmp_path / "no_rank_here"))
 
 
 def test_bad_size_is_one_line_on_stderr_before_any_process_group():
