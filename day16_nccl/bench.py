@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,7 +47,7 @@ class Config:
     factor: int = 4  # sizes grow by this factor (nccl-tests -f)
     warmup: int = 1  # untimed calls per size (nccl-tests -w)
     iters: int = 2  # timed calls per repetition (nccl-tests -n)
-    reps: int = 5  # repetitions; the median time is reported
+    reps: int = 5  # repetitions; the median is reported, the model fits the 25th percentile
     ops: str = "all"  # comma list from: all_reduce,all_gather,reduce_scatter,broadcast,ring,...
     dtype: str = "float32"  # element type of the messages
     # tree pipeline chunk: NCCL uses 512 KiB on GPUs; on CPU a round costs ~100x more, and the
@@ -122,6 +123,7 @@ def measure(cfg: Config, op: str, nbytes: int, device) -> dict:
         case.run()
     times = time_op(case.run, cfg.reps, cfg.iters, device)
     t = statistics.median(times)
+    p25, p75 = np.percentile(times, [25, 75])  # the quiet end, and how wide the spread is
     wrong = case.check()  # fresh integer-valued input, compared with its closed form
     s = case.numel * case.elem
     algbw = s / t / 1e9
@@ -133,6 +135,8 @@ def measure(cfg: Config, op: str, nbytes: int, device) -> dict:
         n=n,
         time_us=t * 1e6,
         min_us=min(times) * 1e6,
+        p25_us=p25 * 1e6,
+        spread=p75 / p25,
         algbw=algbw,
         busbw=algbw * case.factor,
         wrong=wrong,

@@ -173,18 +173,41 @@ def pipeline_shape(algo: str, nbytes: int, n: int, chunk_bytes: int) -> tuple[in
     return math.ceil(seg / chunk_bytes), tree.height
 
 
+def segment_bytes(algo: str, nbytes: int, n: int) -> int:
+    """Bytes one tree carries: S for tree, S/2 per tree for dbt."""
+    return _segments(algo, nbytes, n)[0][1]
+
+
 def best_chunks(
     alpha: float, beta: float, algo: str, nbytes: int, n: int, cores: int | None = None
 ) -> int:
-    """The pipeline depth k that minimises the model: t(k) ~ (k + 2D - 1)(alpha + m S/(k beta))
-    gives k* = sqrt((2D - 1) m S / (alpha beta)), m = B/S per chunk in steady state (numeric here:
-    the k in 1..4096 with the smallest predicted time)."""
-    seg = _segments(algo, nbytes, n)[0][1]
+    """The pipeline depth k in 1..4096 with the smallest predicted time under this model of the
+    real schedule (numeric). It sits below k_star, the textbook closed form, because fill and drain
+    rounds carry less than the steady state's m chunks (a leaf sends one chunk, not three): B
+    hardly grows with the 2D - 1 extra rounds, so deep pipelines buy less than the formula says.
+    In the CPU view the n ranks share C cores: every byte costs the same core time however it is
+    chunked, nothing overlaps, and each extra chunk only adds a round's alpha (best k = 1)."""
     ks = sorted({max(1, round(1.25**i)) for i in range(38)})
-    return min(
-        ks,
-        key=lambda k: predict(alpha, beta, algo, nbytes, n, 1, max(1, math.ceil(seg / k)), cores),
-    )
+    return min(ks, key=lambda k: predict_at_k(alpha, beta, algo, nbytes, n, k, cores))
+
+
+def predict_at_k(
+    alpha: float, beta: float, algo: str, nbytes: int, n: int, k: int, cores: int | None = None
+) -> float:
+    """The model's time with each tree's share cut into k chunks."""
+    chunk = max(1, math.ceil(segment_bytes(algo, nbytes, n) / k))
+    return predict(alpha, beta, algo, nbytes, n, 1, chunk, cores)
+
+
+def k_star(alpha: float, beta: float, algo: str, nbytes: int, n: int) -> float:
+    """The closed form for the links view: minimise t(k) = (k + 2D - 1)(alpha + m S/(k beta)),
+    m S = the busiest sender's bytes per round times k (B ~ m S: 3 S tree, 2 S dbt, n >= 4):
+    dt/dk = alpha - (2D - 1) m S/(k^2 beta) = 0  ->  k* = sqrt((2D - 1) m S / (alpha beta)).
+    m S is read off critical_bytes in the links view with many chunks (the steady state)."""
+    _, d = pipeline_shape(algo, nbytes, n, TREE_CHUNK_BYTES)
+    seg = segment_bytes(algo, nbytes, n)
+    _, b = critical_bytes(algo, nbytes, n, 1, max(1, seg // 4096))  # k = 4096: fill/drain ~0
+    return math.sqrt((2 * d - 1) * b / (alpha * beta)) if alpha > 0 and beta > 0 else math.inf
 
 
 def ring_factor(n: int, cores: int | None = None) -> float:

@@ -10,6 +10,8 @@ Every line NCCL writes starts `host:pid:tid [cudaDev] NCCL INFO ...` (src/debug.
     comm 0x.. rank 0 nRanks 4 nNodes 2 localRanks 2 localRank 0 MNNVL 0     nodes
     Channel 00/02 :    0   1   2   3                                      ring order, #channels
     Trees [0] 1/2/-1->0->-1 [1] 1/-1/-1->0->2                  children/../..->rank->parent
+    Pattern 4, crossNic 0, nChannels 2, bw 20.000000/20.000000, type NVL/PIX, sameChannels 1
+                                                   a searched graph: pattern, GB/s, path types
     Channel 00/0 : 1[1] -> 2[0] [send] via NET/IB/0/GDRDMA                 transport per peer
     2 coll channels, 2 collnet channels, 0 nvls channels, 2 p2p channels, 2 p2p channels per peer
     AllReduce: opCount 3 sendbuff 0x.. recvbuff 0x.. count 1024 datatype 7 op 0 root 0 comm 0x..
@@ -54,6 +56,19 @@ PEER = re.compile(
     r"(?: \[(send|receive)\])? via (.+?)\s*$"
 )
 NCHANNELS = re.compile(r"(\d+) coll channels,")
+GRAPH = re.compile(
+    r"^Pattern (\d+), crossNic (\d+), nChannels (\d+), bw ([\d.]+)/([\d.]+), "
+    r"type (\w+)/(\w+), sameChannels (\d+)"
+)
+# src/graph/topo.h: NCCL_TOPO_PATTERN_*, the shape a graph search looked for
+PATTERNS = {
+    1: "balanced tree",
+    2: "split tree",
+    3: "tree",
+    4: "ring",
+    5: "nvls",
+    6: "collnet direct",
+}
 ENV = re.compile(r"^(NCCL_\w+) set by environment to (.*)$")
 CALL = re.compile(
     r"^(\w+): opCount ([0-9a-f]+) sendbuff \S+ recvbuff \S+ count (\d+) "
@@ -95,6 +110,7 @@ class Report:
     env: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     comms: dict = field(default_factory=dict)  # (host, pid, comm pointer) -> (commId, rank)
+    graphs: list = field(default_factory=list)  # one dict per Pattern line (rank 0's are enough)
 
 
 def parse(lines) -> Report:
@@ -147,6 +163,19 @@ def _parse_graph(rep: Report, msg: str) -> bool:
             rep.trees[int(ch)][me] = ([k for k in (c0, c1, c2) if k != -1], up)
     elif (p := PEER.match(msg)) is not None:
         rep.transports[(int(p.group(2)), int(p.group(3)))].add(transport_class(p.group(5)))
+    elif (g := GRAPH.match(msg)) is not None:
+        pattern, cross, nch = (int(x) for x in g.group(1, 2, 3))
+        graph = dict(
+            pattern=PATTERNS.get(pattern, f"pattern {pattern}"),
+            cross_nic=cross,
+            channels=nch,
+            bw_intra=float(g.group(4)),
+            bw_inter=float(g.group(5)),
+            path_intra=g.group(6),
+            path_inter=g.group(7),
+        )
+        if graph not in rep.graphs:  # every rank prints the same search result
+            rep.graphs.append(graph)
     elif (c := NCHANNELS.search(msg)) is not None:
         rep.n_channels = rep.n_channels or int(c.group(1))
     else:
@@ -249,6 +278,12 @@ def format_report(rep: Report) -> str:
         root = [me for me, (_, up) in nodes.items() if up == -1]
         edges = " ".join(f"{me}->{up}" for me, (_, up) in sorted(nodes.items()) if up != -1)
         out.append(f"  tree  {ch:>2}: root {root[0] if root else '?'}; child->parent {edges}")
+    for g in rep.graphs:
+        out.append(
+            f"  graph {g['pattern']}: {g['channels']} channels, {g['bw_intra']:g}/"
+            f"{g['bw_inter']:g} GB/s per channel (intra/inter), paths {g['path_intra']} intra, "
+            f"{g['path_inter']} inter"
+        )
     if rep.env:
         out.append("set by environment: " + ", ".join(f"{k}={v}" for k, v in rep.env.items()))
     out.append(f"collective calls: {len(rep.calls)} (all ranks)")

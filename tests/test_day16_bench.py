@@ -202,6 +202,17 @@ def test_report_tables_and_model_on_synthetic_rows(tmp_path):
     lines, model = report.model_report(rows, cfg, cores=2)
     assert model["alpha"] == pytest.approx(alpha, rel=1e-6)
     assert all(max(e) < 1e-6 for e in model["errors"].values())
+    text = "\n".join(lines)
+    assert "fitted on 12 25th-percentile times" in text
+    k_line = next(x for x in lines if x.startswith("  tree: k* = sqrt"))
+    k_star = cost_model.k_star(alpha, beta, "tree", 64 * 2**20, n)
+    assert f"= {k_star:.1f} (D = 2, links)" in k_line and "2 CPU cores view's best k = 1" in k_line
+    # the CPU view prints crossovers for the measured n only, labelled as a model
+    assert [x for x in lines if "beats ring at n = " in x] == [
+        x for x in lines if "beats ring at n = 4 " in x and x.startswith("model (2-core view")
+    ] and len([x for x in lines if "beats ring" in x]) == 2
+    gpu_lines, _ = report.model_report(rows, cfg, cores=None)
+    assert any("links view" in x and "at n = 512 " in x for x in gpu_lines)
     assert os.path.isfile(tmp_path / "cost_model.png")
 
 

@@ -146,3 +146,24 @@ def test_ring_closed_form_equals_the_schedule_model(n, cores):
     alpha, beta, nbytes = 200e-6, 3e9, 2**24
     predicted = cost_model.predict(alpha, beta, "ring", nbytes, n, 4, cores=cores)
     assert cost_model.ring_time(alpha, beta, nbytes, n, cores) == pytest.approx(predicted)
+
+
+def test_k_star_is_the_textbook_formula_and_the_views_minima_are_where_the_notes_say():
+    alpha, beta, s, n = 452e-6, 3.384e9, 16 * 2**20, 4  # a 4-rank fit of this box
+    # tree on 4 ranks: height D = 2, steady state m S = 3 S (an inner node: 1 chunk up, 2 down)
+    assert cost_model.k_star(alpha, beta, "tree", s, n) == pytest.approx(
+        math.sqrt(3 * 3 * s / (alpha * beta)), rel=1e-3
+    )  # = 9.9, written out from the formula, not from the code's own expression
+    # dbt: each tree carries S/2, the busiest rank sends (1 + 2) S/2 + S/2 = 2 S
+    assert cost_model.k_star(alpha, beta, "dbt", s, n) == pytest.approx(
+        math.sqrt(3 * 2 * s / (alpha * beta)), rel=1e-3
+    )
+    for name in ("tree", "dbt"):
+        links = cost_model.best_chunks(alpha, beta, name, s, n, None)
+        assert 1 < links < cost_model.k_star(alpha, beta, name, s, n)  # fill rounds are cheap
+        # 4 ranks on 2 cores: chunking overlaps nothing, each extra chunk is one more alpha
+        assert cost_model.best_chunks(alpha, beta, name, s, n, 2) == 1
+        at = [cost_model.predict_at_k(alpha, beta, name, s, n, k, 2) for k in (1, 2, 4, 8)]
+        assert at == sorted(at)  # strictly worse with every doubling of k
+    # GPU-like link (10 us, 100 GB/s), 8 ranks, 64 MiB: deep pipelines pay off in both forms
+    assert cost_model.best_chunks(10e-6, 100e9, "tree", 64 * 2**20, 8, None) >= 8

@@ -38,6 +38,12 @@ def test_channels_rings_and_trees():
     assert rep.rings == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
     assert rep.trees[0][0] == ([1], -1) and rep.trees[0][2] == ([3], 1)
     assert rep.trees[1][3] == ([], 2)
+    ring, tree = rep.graphs  # the two searched graphs, each once although 4 ranks could print it
+    assert ring["pattern"] == "ring" and tree["pattern"] == "balanced tree"
+    assert ring["path_intra"] == "NVL" and ring["channels"] == 2 and ring["bw_intra"] == 20.0
+    assert "graph ring: 2 channels, 20/20 GB/s per channel (intra/inter), paths NVL intra" in (
+        nccl_log.format_report(rep)
+    )
 
 
 def test_named_tuning_lines_give_algorithm_protocol_and_channels_per_call():
