@@ -3,6 +3,7 @@ the ring / built-in ratio, and the alpha-beta fit with its prediction errors (ra
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -17,6 +18,7 @@ HEADER = (
     f"{'op':<20}{'size (B)':>12}{'count':>11}{'type':>9}{'time (us)':>12}"
     f"{'algbw GB/s':>12}{'busbw GB/s':>12}{'#wrong':>8}{'p25 (us)':>11}{'p75/p25':>9}"
 )
+MODEL_FILE = "cost_model.json"  # the fitted alpha and beta, for later days to predict with
 MODEL_ALGOS = {"ring_all_reduce": "ring", "tree_all_reduce": "tree", "dbt_all_reduce": "dbt"}
 
 
@@ -123,7 +125,10 @@ def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], d
     lines += crossover_lines(alpha, beta, n, chunk, cores)
     path = os.path.join(cfg.out_dir, "cost_model.png")
     cost_model.plot(pts, alpha, beta, path, chunk, cores)
-    lines.append(f"wrote {path}")
+    fit = dict(alpha_s=alpha, beta_bytes_per_s=beta, n=n, cores=cores, chunk_bytes=chunk)
+    with open(os.path.join(cfg.out_dir, MODEL_FILE), "w") as f:
+        json.dump(fit, f, indent=2)  # day 17 predicts its buckets' all-reduces from this fit
+    lines.append(f"wrote {path}, {os.path.join(cfg.out_dir, MODEL_FILE)}")
     return lines, dict(alpha=alpha, beta=beta, n=n, errors=errors)
 
 

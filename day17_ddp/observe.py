@@ -16,6 +16,7 @@ from dtl import profile
 from dtl.profile import StepTimes
 
 MiB = 1024 * 1024
+STEP_MARK = "train_step"  # the record_function around one optimizer step
 
 
 def sync_times(model) -> dict[str, float]:
@@ -81,11 +82,17 @@ def format_layout(sizes: list[int], groups: list[list[str]], limit: int = 12) ->
 
 
 def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
-    """(start, end) in ms from the step's start, per lane, from a chrome trace file."""
+    """(start, end) in ms from the step's start, per lane, from a chrome trace file: the last
+    step in the trace (the first profiled step pays the profiler's start-up, so it is not drawn)."""
     spans = profile.parse_trace(path)
-    marks = {s.name: s for s in spans if s.name in ("forward", "backward", "optimizer")}
+    step = max((s for s in spans if s.name == STEP_MARK), key=lambda s: s.start_ms)
+    inside = [s for s in spans if step.start_ms <= s.start_ms <= step.end_ms]
+    marks = {s.name: s for s in sorted(inside, key=lambda s: s.start_ms)
+             if s.name in ("forward", "backward", "optimizer")}  # fmt: skip
+    # (grad_accum > 1: the last forward and backward, the ones that sync)
     main_tid = marks["backward"].tid
-    t0 = min(s.start_ms for s in marks.values())
+    t0 = step.start_ms
+    spans = inside
     lanes: dict[str, list] = {
         "forward": [],
         "backward compute": [],

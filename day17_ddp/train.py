@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from day17_ddp import observe
+from day17_ddp import bridge, observe
 from day17_ddp.ddp_manual import SyncError, check_sync_args, wrap
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -53,7 +53,8 @@ class Config:
     find_unused_parameters: bool = False  # ddp only: traverse the graph after every forward
     gradient_as_bucket_view: bool = False  # ddp only: .grad becomes a view into the bucket
     static_graph: bool = False  # ddp only: the graph is the same every step (skips checks)
-    profile_step: int = 4  # the step traced by torch.profiler; -1 for none
+    profile_step: int = 4  # the first of the two steps traced by torch.profiler; -1 for none
+    cost_model: str = bridge.DAY16_FIT  # day 16's alpha-beta fit: predicts each bucket's time
     seed: int = 0  # model init and batches
     out_dir: str = ""  # where the run writes; empty: outputs/day17_ddp/train-<sync>
 
@@ -67,17 +68,25 @@ class Config:
             raise dtl_config.ConfigError(
                 f"unknown model '{self.model}'; one of {', '.join(PRESETS)}"
             )
-        timed = self.steps - self.warmup - (self.warmup <= self.profile_step < self.steps)
+        timed = sum(1 for s in range(self.warmup, self.steps) if s not in self.profiled_steps())
         if min(self.batch_size, self.seq_len, self.grad_accum) < 1 or timed < 1:
             raise dtl_config.ConfigError(
                 "need batch_size, seq_len, grad_accum >= 1 and one timed "
-                "step after warmup that is not the profiled step"
+                "step after warmup that is not one of the two profiled steps"
             )
+        if self.cost_model != bridge.DAY16_FIT and not os.path.isfile(self.cost_model):
+            raise dtl_config.ConfigError(f"cost_model file not found: {self.cost_model}")
         if self.seq_len > preset(self.model).block_size:
             raise dtl_config.ConfigError(
                 f"seq_len {self.seq_len} exceeds the {self.model} "
                 f"block_size {preset(self.model).block_size}"
             )
+
+    def profiled_steps(self) -> tuple[int, ...]:
+        """Two steps: the first pays the profiler's start-up, the timeline draws the second."""
+        if self.profile_step < 0:
+            return ()
+        return tuple(s for s in (self.profile_step, self.profile_step + 1) if s < self.steps)
 
 
 def build(cfg: Config, info):
@@ -115,22 +124,23 @@ def train_step(model, opt, tokens, cfg: Config, step: int, info) -> tuple[StepTi
         dp_size=info.world_size,
     )
     x, y = x.to(info.device), y.to(info.device)  # (grad_accum * B, T) rows for this rank
-    fwd = bwd = 0.0
     t_step = time.perf_counter()
-    for m in range(cfg.grad_accum):
-        # the flag must hold during forward: DDP arms the backward sync there (see the notes)
-        model.require_backward_grad_sync = m == cfg.grad_accum - 1
-        rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
-        t0 = time.perf_counter()
-        with record_function("forward"):
-            loss = loss_fn(model(x[rows]), y[rows])
-        t1 = time.perf_counter()
-        with record_function("backward"):
-            (loss / cfg.grad_accum).backward()  # the last one all-reduces, inside backward
-        fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-    with record_function("optimizer"):
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    with record_function(observe.STEP_MARK):  # the timeline finds its step by this mark
+        fwd = bwd = 0.0
+        for m in range(cfg.grad_accum):
+            # the flag must hold during forward: DDP arms the backward sync there (see the notes)
+            model.require_backward_grad_sync = m == cfg.grad_accum - 1
+            rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+            t0 = time.perf_counter()
+            with record_function("forward"):
+                loss = loss_fn(model(x[rows]), y[rows])
+            t1 = time.perf_counter()
+            with record_function("backward"):
+                (loss / cfg.grad_accum).backward()  # the last one all-reduces, inside backward
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+        with record_function("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     _sync_device(info)
     return observe.step_breakdown(model, fwd, bwd, time.perf_counter() - t_step), loss.item()
 
@@ -151,12 +161,18 @@ def run(cfg: Config, info) -> dict:
         tensorboard=True,
     )
     rows: list[StepTimes] = []
+    reduces: list = []  # per timed step: (bytes, launch, duration) of each all-reduce
+    traced, prof = cfg.profiled_steps(), None  # profiler overhead: left out of the medians
     for step in range(cfg.steps):
-        traced = step == cfg.profile_step  # profiler overhead: left out of the medians
-        step_fn = profiled_step if traced else train_step
-        times, loss = step_fn(model, opt, corpus.train, cfg, step, info)
-        if step >= cfg.warmup and not traced:
+        if traced and step == traced[0]:
+            prof = start_profiler(info)
+        times, loss = train_step(model, opt, corpus.train, cfg, step, info)
+        if prof is not None and step == traced[-1]:
+            prof = stop_profiler(prof, cfg, info)
+        if step >= cfg.warmup and step not in traced:
             rows.append(times)
+            if (events := bridge.all_reduces(model)) is not None:
+                reduces.append(events)
         log.log(step, loss=loss, times=times)  # the breakdown also goes to TensorBoard time/...
     log.close()
     if info.device.type == "cuda":
@@ -172,6 +188,7 @@ def run(cfg: Config, info) -> dict:
     )
     return dict(
         rows=rows,
+        reduces=reduces,
         layout=observe.bucket_layout(model, names),
         gap=replica_gap(gpt),  # max |p - p on rank 0|: 0.0 when the replicas are identical
         n_params=sum(p.numel() for p in gpt.parameters()),
@@ -182,18 +199,20 @@ def _param_names(gpt) -> list[str]:
     return [n for n, p in gpt.named_parameters() if p.requires_grad]  # tied lm_head: once, as wte
 
 
-def profiled_step(model, opt, tokens, cfg, step, info) -> tuple[StepTimes, float]:
-    """The same step under torch.profiler; rank R writes traces/rank<R>.json."""
+def start_profiler(info):
+    """torch.profiler around the profiled steps; rank R will write traces/rank<R>.json."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     prof = profile(activities=acts)
     with quiet_native_stderr():  # kineto's start/stop lines would split the step log
         prof.start()
-    row = train_step(model, opt, tokens, cfg, step, info)
+    return prof
+
+
+def stop_profiler(prof, cfg: Config, info) -> None:
     with quiet_native_stderr():
         prof.stop()
     os.makedirs(os.path.join(cfg.out_dir, "traces"), exist_ok=True)
     prof.export_chrome_trace(trace_path(cfg, info.rank))
-    return row
 
 
 def trace_path(cfg: Config, rank: int) -> str:
@@ -225,8 +244,10 @@ def report(cfg: Config, info, result: dict) -> None:
         f"window overlap = (comm span - blocked) / comm span = ({med.comm_ms:.0f}"
         f" - {med.blocked_ms:.0f}) / {med.comm_ms:.0f} = {overlap:.0%} (of the medians)"
     )
+    for line in bridge_lines(cfg, info, result, sizes, med.blocked_ms):
+        dtl_dist.print0(line)
     traced = ""
-    if info.is_main and 0 <= cfg.profile_step < cfg.steps:
+    if info.is_main and cfg.profiled_steps():
         traced = f", {timeline(cfg, sizes):.0%} of all-reduce busy time under compute (trace)"
     dtl_dist.print0(
         f"summary: day17 sync={cfg.sync} model={cfg.model} ranks={n}: replicas identical "
@@ -237,12 +258,32 @@ def report(cfg: Config, info, result: dict) -> None:
     )
 
 
+def bridge_lines(cfg: Config, info, result: dict, sizes: list[int], blocked_ms: float):
+    """Day 16's model of these all-reduces beside what this run measured."""
+    fit = bridge.load_fit(cfg.cost_model)
+    if fit is None:
+        return [bridge.missing_line(cfg.cost_model)]
+    if result["reduces"]:
+        return bridge.report_lines(fit, cfg.cost_model, info.world_size, result["reduces"],
+                                   blocked_ms)  # fmt: skip
+    predicted = ", ".join(
+        f"{b / bridge.MiB:.2f} MiB {bridge.predict_s(fit, b, info.world_size) * 1e3:.1f} ms"
+        for b in sizes
+    )
+    return [
+        f"alpha-beta bridge from day 16's fit ({cfg.cost_model}): buckets predicted {predicted}; "
+        f"torch DDP does not expose per-bucket times (its Reducer logs one comm span: "
+        f"{StepTimes.median(result['rows']).comm_ms:.0f} ms, median)"
+    ]
+
+
 def timeline(cfg: Config, sizes: list[int]) -> float:
     lanes = observe.trace_spans(trace_path(cfg, 0))
     busy, hidden = observe.trace_overlap(lanes)
     path = os.path.join(cfg.out_dir, "timeline.png")
+    step = cfg.profiled_steps()[-1]
     title = (
-        f"day 17, sync={cfg.sync}, step {cfg.profile_step}: all-reduce busy {busy:.0f} ms, "
+        f"day 17, sync={cfg.sync}, step {step}: all-reduce busy {busy:.0f} ms, "
         f"{hidden:.0%} of it during backward compute"
     )
     observe.plot_timeline(lanes, title, path, sizes)
