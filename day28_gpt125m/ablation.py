@@ -14,7 +14,8 @@ GPU:  torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.ablation --model
                the first, compiling step is left out of the timing
 Every variant trains the same model from the same init on the same batches, so the losses are
 printed too: a speed-up that changed the math would show there. Timings on a shared 2-core box
-are noisy: the variants alternate, and each figure is a median over the steps after the first.
+are noisy: each variant runs once, in the order above, and each figure is a median over the
+steps after the first.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from day28_gpt125m.recipe import Recipe, autocast
+from day28_gpt125m.recipe import Recipe, autocast, make_adamw
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import write_csv
-from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention, optimizer_groups
+from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
 
 # the CPU default: a small GPT at a long sequence (512 tokens, 128 wide), where attention is a
 # large share of the step; `small` at 128 tokens spends it in its 50,304-word head instead
@@ -68,14 +69,11 @@ class Config:
             raise dtl_config.ConfigError(f"seq_len {self.seq_len} exceeds the model's block_size")
 
 
-def _optimizer(gpt, mode: str, device):
-    groups = optimizer_groups(gpt, 0.1)
-    kwargs = dict(lr=6e-4, betas=(0.9, 0.95))
-    if mode == "loop":
-        return torch.optim.AdamW(groups, foreach=False, **kwargs)
-    if mode == "fused":
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+OPTIMIZER_MODES = {  # mode -> make_adamw's (fused, foreach)
+    "loop": (False, False),
+    "foreach": (False, True),
+    "fused": (True, None),
+}
 
 
 def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
@@ -83,13 +81,25 @@ def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
     gpt = GPT(MODELS[cfg.model], seed=0).to(device)
     if attention == "naive":
         gpt.set_attention(naive_attention)
-    opt = _optimizer(gpt, opt_mode, device)
-    model = torch.compile(gpt) if compiled else gpt
     r = Recipe(bf16=cfg.bf16)
+    fused, foreach = OPTIMIZER_MODES[opt_mode]
+    opt = make_adamw(gpt, r, fused=fused, foreach=foreach)
+    model = torch.compile(gpt) if compiled else gpt
+    # the first step allocates, selects kernels, and (compile) compiles: left out of the timing
+    times, losses = timed_steps(model, opt, r, tokens, cfg.seq_len, cfg.batch_size,
+                                steps=cfg.steps, warmup=1)  # fmt: skip
+    return dict(ms=statistics.median(times) * 1e3, losses=losses)
+
+
+def timed_steps(model, opt, r: Recipe, tokens, seq_len: int, batch_size: int, *, steps: int,
+                warmup: int) -> tuple[list[float], list[float]]:  # fmt: skip
+    """`warmup + steps` training steps on dtl.data.get_batch rows (seed 0, one row set per
+    step); returns the seconds of the last `steps` (the device synchronized around each) and
+    every step's loss."""
+    device = next(model.parameters()).device
     times, losses = [], []
-    for step in range(cfg.steps + 1):
-        x, y = (t.to(device) for t in get_batch(tokens, cfg.seq_len, cfg.batch_size, seed=0,
-                                                 step=step))  # fmt: skip
+    for step in range(warmup + steps):
+        x, y = (t.to(device) for t in get_batch(tokens, seq_len, batch_size, seed=0, step=step))
         _sync(device)
         t0 = time.perf_counter()
         with autocast(r, device):
@@ -98,10 +108,10 @@ def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
-        if step:  # the first step allocates, selects kernels, and (compile) compiles
+        if step >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    return dict(ms=statistics.median(times) * 1e3, losses=losses)
+    return times, losses
 
 
 def _sync(device) -> None:

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from day27_profiling.ceiling import step_ceiling
-from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from day28_gpt125m.ablation import timed_steps
+from day28_gpt125m.recipe import Recipe, make_adamw
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import load_corpus
 from dtl.metrics import peak_flops
-from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
+from dtl.model import GPT, PRESETS, flops_per_token, preset
 
 
 @dataclass
@@ -57,21 +57,9 @@ def tokens_per_s(cfg: Config, b: int, tokens, device) -> float | None:
     gpt = GPT(preset(cfg.model), seed=0).to(device)
     opt = make_adamw(gpt, Recipe(), fused=True)
     model = torch.compile(gpt) if cfg.compile else gpt
-    r = Recipe(bf16=True)
-    times = []
-    try:
-        for step in range(cfg.steps + 3):
-            x, y = (t.to(device) for t in get_batch(tokens, cfg.seq_len, b, seed=0, step=step))
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with autocast(r, device):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
-            if step >= 3:
-                times.append(time.perf_counter() - t0)
+    try:  # 3 warm-up steps: allocation, kernel selection, compilation
+        times, _ = timed_steps(model, opt, Recipe(bf16=True), tokens, cfg.seq_len, b,
+                               steps=cfg.steps, warmup=3)  # fmt: skip
     except torch.cuda.OutOfMemoryError:
         return None
     finally:
@@ -98,7 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         results[b] = tokens_per_s(cfg, b, tokens, info.device)
         shown = f"{results[b]:,.0f} tokens/s" if results[b] else "out of memory"
         dtl_dist.print0(f"micro-batch {b}: {shown}")
-    best = max((b for b in results if results[b]), key=lambda b: results[b])
+    fitting = [b for b in results if results[b]]
+    if not fitting:
+        dtl_dist.print0(f"error: no micro-batch of {cfg.micro_batches} fits this GPU's memory")
+        dtl_dist.cleanup()
+        raise SystemExit(1)
+    best = max(fitting, key=lambda b: results[b])
     achieved = fpt * results[best]
     ceiling = step_ceiling(mcfg, best * cfg.seq_len, dtype=torch.bfloat16, device=info.device)
     name = torch.cuda.get_device_name(info.device)

@@ -40,14 +40,19 @@ def lr_at(step: int, r: Recipe) -> float:
     return r.lr * warmup_cosine(step, warmup=r.warmup, steps=r.steps, min_ratio=r.min_lr / r.lr)
 
 
-def make_adamw(params, r: Recipe, fused: bool | None = None) -> torch.optim.AdamW:
+def make_adamw(
+    params, r: Recipe, fused: bool | None = None, foreach: bool | None = None
+) -> torch.optim.AdamW:
     """AdamW with decay on the matrices only (dtl.model.optimizer_groups), given a module or
-    a list of parameters; `fused` (one kernel for every tensor) where the device supports it."""
+    a list of parameters; `fused` (one kernel for every tensor) where the device supports it.
+    Unfused, `foreach` picks torch's multi-tensor path (True) or its per-tensor loop (False);
+    None leaves torch's default. (fused=False is never passed on: torch reads an explicit False
+    with foreach=None as the per-tensor loop.)"""
     groups = optimizer_groups(params, r.weight_decay)
     device = next(p for g in groups for p in g["params"]).device
     if fused is None:
         fused = device.type == "cuda"
-    kwargs = dict(lr=r.lr, betas=r.betas, eps=r.eps)
+    kwargs = dict(lr=r.lr, betas=r.betas, eps=r.eps, foreach=foreach)
     return (
         torch.optim.AdamW(groups, fused=fused, **kwargs)
         if fused
