@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +114,6 @@ def hang_drill(cfg: Config) -> None:
     gloo raises in the waiting ranks at the timeout, so they can dump and report. (On NCCL the
     watchdog does the dumping: TORCH_FR_DUMP_TEMP_FILE=<prefix> writes <prefix><rank> for every
     rank at the timeout, before it aborts; the same report reads those.)"""
-    import time
-
     prefix = os.path.join(os.path.abspath(cfg.out_dir), "fr_trace_rank_")
     os.makedirs(cfg.out_dir, exist_ok=True)
     flight_recorder.enable(prefix)  # before the process group: torch reads it at creation

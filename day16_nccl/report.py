@@ -26,7 +26,7 @@ def format_row(r: dict) -> str:
     return (
         f"{r['op']:<20}{r['nbytes']:>12}{r['count']:>11}{r['dtype']:>9}{r['time_us']:>12.1f}"
         f"{r['algbw']:>12.3f}{r['busbw']:>12.3f}{r['wrong']:>8}"
-        f"{r.get('p25_us', r['time_us']):>11.1f}{r.get('spread', 1.0):>9.2f}"
+        f"{r['p25_us']:>11.1f}{r['spread']:>9.2f}"
     )
 
 
@@ -74,12 +74,7 @@ def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], d
     another job holds for a scheduler slice), and the quiet end of the repetitions is what the
     model describes; the spread p75/p25 says how heavy that tail was."""
     pts = [
-        dict(
-            algo=MODEL_ALGOS[r["op"]],
-            nbytes=r["nbytes"],
-            n=r["n"],
-            time_s=r.get("p25_us", r["time_us"]) / 1e6,
-        )
+        dict(algo=MODEL_ALGOS[r["op"]], nbytes=r["nbytes"], n=r["n"], time_s=r["p25_us"] / 1e6)
         for r in rows
         if r["op"] in MODEL_ALGOS and r["dtype"] == "float32"
     ]
@@ -230,7 +225,7 @@ def write(cfg, rows: list[dict], final: bool, cores: int | None = None) -> None:
             f"summary: ring_all_reduce / built-in all_reduce busbw at {_mib(s)} = {ratio:.2f}",
             flush=True,
         )
-    spreads = sorted((r.get("spread", 1.0), r["op"], r["nbytes"]) for r in rows)
+    spreads = sorted((r["spread"], r["op"], r["nbytes"]) for r in rows)
     worst = spreads[-1]
     print(
         f"summary: timing spread p75/p25 over {cfg.reps} repetitions: median "

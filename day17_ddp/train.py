@@ -168,7 +168,8 @@ def run(cfg: Config, info) -> dict:
             prof = start_profiler(info)
         times, loss = train_step(model, opt, corpus.train, cfg, step, info)
         if prof is not None and step == traced[-1]:
-            prof = stop_profiler(prof, cfg, info)
+            stop_profiler(prof, cfg, info)
+            prof = None
         if step >= cfg.warmup and step not in traced:
             rows.append(times)
             if (events := bridge.all_reduces(model)) is not None:
@@ -244,7 +245,7 @@ def report(cfg: Config, info, result: dict) -> None:
         f"window overlap = (comm span - blocked) / comm span = ({med.comm_ms:.0f}"
         f" - {med.blocked_ms:.0f}) / {med.comm_ms:.0f} = {overlap:.0%} (of the medians)"
     )
-    for line in bridge_lines(cfg, info, result, sizes, med.blocked_ms):
+    for line in bridge_lines(cfg, info, result, sizes, med):
         dtl_dist.print0(line)
     traced = ""
     if info.is_main and cfg.profiled_steps():
@@ -258,14 +259,14 @@ def report(cfg: Config, info, result: dict) -> None:
     )
 
 
-def bridge_lines(cfg: Config, info, result: dict, sizes: list[int], blocked_ms: float):
+def bridge_lines(cfg: Config, info, result: dict, sizes: list[int], med: StepTimes):
     """Day 16's model of these all-reduces beside what this run measured."""
     fit = bridge.load_fit(cfg.cost_model)
     if fit is None:
         return [bridge.missing_line(cfg.cost_model)]
     if result["reduces"]:
         return bridge.report_lines(fit, cfg.cost_model, info.world_size, result["reduces"],
-                                   blocked_ms)  # fmt: skip
+                                   med.blocked_ms)  # fmt: skip
     predicted = ", ".join(
         f"{b / bridge.MiB:.2f} MiB {bridge.predict_s(fit, b, info.world_size) * 1e3:.1f} ms"
         for b in sizes
@@ -273,7 +274,7 @@ def bridge_lines(cfg: Config, info, result: dict, sizes: list[int], blocked_ms: 
     return [
         f"alpha-beta bridge from day 16's fit ({cfg.cost_model}): buckets predicted {predicted}; "
         f"torch DDP does not expose per-bucket times (its Reducer logs one comm span: "
-        f"{StepTimes.median(result['rows']).comm_ms:.0f} ms, median)"
+        f"{med.comm_ms:.0f} ms, median)"
     ]
 
 

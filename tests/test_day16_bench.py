@@ -187,6 +187,8 @@ def test_report_tables_and_model_on_synthetic_rows(tmp_path):
                     n=n,
                     time_us=t * 1e6,
                     min_us=t * 1e6,
+                    p25_us=t * 1e6,
+                    spread=1.0,
                     algbw=s / t / 1e9,
                     busbw=s / t / 1e9 * 1.5,
                     wrong=0,
@@ -269,7 +271,7 @@ def test_times_that_do_not_grow_with_size_fit_beta_inf_and_say_why(tmp_path, cap
     # what a smoke run on a noisy box can measure: 4 MiB no slower than 1 MiB
     rows = [
         dict(op=op, nbytes=s, count=s // 4, dtype="float32", n=2, time_us=2000.0, min_us=2000.0,
-             algbw=s / 2e-3 / 1e9, busbw=s / 2e-3 / 1e9, wrong=0)
+             p25_us=2000.0, spread=1.0, algbw=s / 2e-3 / 1e9, busbw=s / 2e-3 / 1e9, wrong=0)
         for op in report.MODEL_ALGOS
         for s in (2**20, 2**22)
     ]  # fmt: skip
