@@ -103,7 +103,8 @@ class Bucket:
         if self.dtype == torch.float32 and not offload:
             self.master = nn.Parameter(self.param_shard)  # shares the slice's memory
         else:
-            self.master = nn.Parameter(self.param_shard.detach().float().to("cpu", copy=True))
+            home = "cpu" if offload else self.param_shard.device  # bf16 alone: stays on device
+            self.master = nn.Parameter(self.param_shard.detach().float().to(home, copy=True))
         # gradients: stage 1 keeps them full (P,), stages 2 and 3 only my averaged slice (P/N,)
         self.full_grads: FlatBuffer | None = self._new_grad_buffer() if stage == 1 else None
         self.grad_shard = (
