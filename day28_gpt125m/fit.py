@@ -28,9 +28,9 @@ import torch
 from day19_tp.formulas import block_params
 from day22_megatron import formulas
 from day22_megatron.layouts import Layout
+from day28_gpt125m.strategies import BF16
 from dtl.model import num_params
 
-STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
 GB = 1e9
 
 
@@ -75,7 +75,8 @@ def check(cfg) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world))
     have = device_bytes(local)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len, bf16=cfg.bf16)
-    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **kw)
+    own = dict(kw, bf16=cfg.bf16 and cfg.strategy in BF16)  # tp_pp and megatron run fp32
+    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)
     if need["total"] <= have:
         return
     others = {

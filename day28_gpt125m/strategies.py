@@ -34,6 +34,8 @@ from dtl.model import GPT, GPTConfig, loss_fn
 
 STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
 MODEL_PARALLEL = ("tp_pp", "megatron")  # strategies that take tp and pp
+BF16 = ("ddp", "fsdp2", "zero3")  # strategies that apply --bf16 (autocast, DeepSpeed's bf16)
+COMPILE = ("ddp", "fsdp2")  # strategies whose model --compile wraps in torch.compile
 
 
 def _set_lr(optimizer, lr: float) -> None:

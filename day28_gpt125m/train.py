@@ -38,7 +38,7 @@ import torch.distributed as dist
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit
 from day28_gpt125m.recipe import Recipe, generate, lr_at
-from day28_gpt125m.strategies import MODEL_PARALLEL, STRATEGIES, build, mean_loss
+from day28_gpt125m.strategies import BF16, COMPILE, MODEL_PARALLEL, STRATEGIES, build, mean_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches
@@ -178,8 +178,12 @@ def run(cfg: Config, info, grid) -> dict:
         cfg.strategy, cfg.model_config(), r, grid, info.device, micro_batch=cfg.micro_batch_size,
         accum=cfg.accum, seq_len=cfg.seq_len, seed=cfg.seed, steps=cfg.steps,
     )  # fmt: skip
-    if cfg.compile and hasattr(strategy, "model"):
+    if cfg.compile and cfg.strategy in COMPILE:
         strategy.model = torch.compile(strategy.model)
+    for flag, applies in (("compile", COMPILE), ("bf16", BF16)):
+        if getattr(cfg, flag) and cfg.strategy not in applies:
+            dtl_dist.print0(f"note: --{flag} is applied by {', '.join(applies)} only; "
+                            f"{cfg.strategy} runs without it")  # fmt: skip
     start = strategy.load(cfg.ckpt_dir) if cfg.resume else 0
     if cfg.resume:
         dtl_dist.print0(f"resumed from {cfg.ckpt_dir} at step {start}")
@@ -255,7 +259,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     peak = peak_flops(info.device)
     fpt = flops_per_token(cfg.model_config(), cfg.seq_len)
     mfu = f"{fpt * tokens_s / (peak * info.world_size):.1%}" if peak else "n/a (no peak for a CPU)"
-    wait = sum(result["waits"][1:]) / max(1, sum(steady))
+    wait = sum(result["waits"][1:]) / sum(steady)  # seconds over seconds
     verdict = "one-process check skipped (check=false)"
     if cfg.resume or cfg.stop_at:
         verdict = (
