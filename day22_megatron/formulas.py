@@ -19,6 +19,9 @@ L layers over pp stages, V the vocabulary, t = tp, n = dp x cp:
                   tied embedding's gradient all-reduced between the first and last stage
     dp            the gradients all-reduced over dp x cp: 2(n-1)/n · e·P
     bubble        (p-1)/(v·m + p-1) of the step (day 20's bubble_formula)
+    activations   L x 34·s·b·C/t bytes (Korthikanti et al. 2022: 16-bit, SP, no stored scores;
+                  doubled in fp32): 1F1B's first stage holds p micro-batches of L/p layers, so
+                  p cancels; + the fp32 logits and their gradient, 8·b·s·V/t (last stage)
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ def comm_bytes(
             out["pp"] += ring_bytes(cfg.vocab_size * C // lay.tp, e, 2)
     out["dp"] = ring_bytes(params_per_rank(cfg, lay, pp_rank), e, lay.dp * lay.cp)
     return out
+
+
+def activation_bytes(cfg: GPTConfig, seq_len: int, micro: int, tp: int, bf16: bool = True) -> float:
+    """The activations one GPU holds at its peak (the module docstring's count; day 28's fit.py
+    and day 22's plan.py both predict with it). An upper bound per rank with pp > 1: the layers'
+    share peaks on the first stage, the logits on the last."""
+    layers = cfg.n_layer * 34 * seq_len * micro * cfg.n_embd * (1 if bf16 else 2) / tp
+    return layers + 8 * micro * seq_len * cfg.vocab_size / tp
 
 
 def bubble(lay: Layout, microbatches: int) -> float:

@@ -11,7 +11,7 @@ fp32 gradients, the distributed optimizer, sequence parallelism with TP, flash a
                   18 without it (--distributed_optimizer=false)
     activations   L x 34·s·b·h/t (Korthikanti et al. 2022 with SP and no stored scores): the
                   first stage of 1F1B holds p micro-batches of L/p layers; + the last stage's
-                  fp32 logits b·s·V/t for the loss
+                  fp32 logits and their gradient 8·b·s·V/t (formulas.activation_bytes)
     TP traffic    per micro-batch 8(t-1)/t x (L/p)·s·b·h x 2 bytes, over NVLink when t <= 8
     PP traffic    per micro-batch one (s, b, h) bf16 activation and one gradient per boundary
     DP traffic    reduce-scatter fp32 grads + all-gather bf16 params: 6(d-1)/d x params_per_rank
@@ -89,7 +89,7 @@ def evaluate(
     m = tokens // (s * b * d)  # micro-batches per DP rank
     params = max(formulas.params_per_rank(cfg, lay, r) for r in range(p))
     states = params * (6 + 12 / d if distopt else 18)
-    acts = L * 34 * s * b * h / t + b * s * cfg.vocab_size / t * 4  # first stage + logits
+    acts = formulas.activation_bytes(cfg, s, b, t)  # bf16 layers + fp32 logits and gradient
     tp_bytes = m * 8 * (t - 1) / t * (L / p) * s * b * h * BF16
     pp_bytes = m * 2 * s * b * h * BF16 if p > 1 else 0.0
     dp_bytes = 6 * (d - 1) / d * params

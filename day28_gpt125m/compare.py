@@ -81,8 +81,8 @@ def zero3_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float) -
 
 def tp_pp_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float, memory_gb):
     tokens, b = BATCH[name]
-    rows, best = plan.plan(cfg, gpus, tokens=tokens, b=b, per_node=per_node, mfu=mfu,
-                           memory_gb=memory_gb)  # fmt: skip
+    rows, _ = plan.plan(cfg, gpus, tokens=tokens, b=b, per_node=per_node, mfu=mfu,
+                        memory_gb=memory_gb)  # fmt: skip
     mp = [r for r in rows if not r["layout"].startswith("tp1-pp1")]  # model parallel layouts
     fits = [r for r in mp if r["memory_gb"] <= memory_gb]
     pick = min(fits, key=lambda r: r["step_s"]) if fits else min(mp, key=lambda r: r["memory_gb"])

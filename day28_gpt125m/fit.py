@@ -63,8 +63,7 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
         resident = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
     t = tp if strategy in ("tp_pp", "megatron") else 1
-    acts = m.n_layer * 34 * seq_len * micro * m.n_embd * (1 if bf16 else 2) / t
-    acts += 8 * micro * seq_len * m.vocab_size / t
+    acts = formulas.activation_bytes(m, seq_len, micro, t, bf16)  # day 22's count
     states = resident + gathered
     return dict(resident=resident, gathered=gathered, states=states, activations=acts,
                 total=states + acts)  # fmt: skip

@@ -368,5 +368,6 @@ def test_plan_picks_data_parallel_for_gpt2_and_model_parallel_only_when_memory_f
     rows, best = plan.plan(big, 8, tokens=4_194_304, b=1, memory_gb=20, **kw)
     assert best["memory_gb"] <= 20 and best["layout"] != "tp1-pp1-dp8"
     assert min(r["memory_gb"] for r in rows) < 20 < max(r["memory_gb"] for r in rows)
-    # TP never crosses a node: 64 GPUs still get t <= 8
+    # TP never crosses a node: on 64 GPUs its 32 heads would allow t = 16 or 32, yet t <= 8
+    rows, _ = plan.plan(big, 64, tokens=4_194_304, b=1, memory_gb=80, **kw)
     assert max(int(r["layout"].split("-")[0][2:]) for r in rows) <= 8
