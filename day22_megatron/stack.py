@@ -51,13 +51,17 @@ class Stack:
     record: object = None  # the pipeline's StepRecord of the last step (spans, in-flight)
 
 
-def check_stack(cfg: GPTConfig, grid, *, seq_len: int, attn: str, sp: bool) -> None:
-    if grid.pp_size > 1 and (grid.cp_size > 1 or sp):
+def check_stack(
+    cfg: GPTConfig, *, tp: int, pp: int, cp: int, seq_len: int, attn: str, sp: bool
+) -> None:
+    """What this stack refuses (LayoutError, CPError), from the sizes alone: train_4d's config
+    checks it before any process group exists, build_stack again on the grid."""
+    if pp > 1 and (cp > 1 or sp):
         raise LayoutError(
             "this stack runs CP and SP without PP only: day 20's pipeline passes (B, T, C) "
             "activations and no position ids (megatron-core's train_megatron.py has SP x PP)"
         )
-    check_cp(cfg.n_head, grid.tp_size, grid.cp_size, seq_len, attn, sp)
+    check_cp(cfg.n_head, tp, cp, seq_len, attn, sp)
 
 
 def build_stack(
@@ -77,7 +81,8 @@ def build_stack(
     eps: float = 1e-8,
     device="cpu",
 ) -> Stack:
-    check_stack(cfg, grid, seq_len=seq_len, attn=attn, sp=sp)
+    sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
+    check_stack(cfg, **sizes, seq_len=seq_len, attn=attn, sp=sp)
     gpt = GPT(cfg, seed=seed).to(device)
     if grid.tp_size > 1:
         apply_tp(gpt, grid)
@@ -156,15 +161,6 @@ def clip_gradients(stack: Stack, max_norm: float | None) -> float:
                 if p.grad is not None:
                     p.grad.mul_(coef)
     return norm
-
-
-def train_step(stack: Stack, micro_batches, clip_grad: float | None = 1.0):
-    loss = forward_backward(stack, micro_batches)
-    sync_gradients(stack)
-    norm = clip_gradients(stack, clip_grad)
-    stack.optimizer.step()
-    stack.optimizer.zero_grad(set_to_none=True)
-    return loss, norm
 
 
 def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:

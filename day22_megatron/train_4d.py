@@ -7,7 +7,7 @@ CPU (gloo), ~8 s at 4 ranks, ~13 s at 8:
     torchrun --standalone --nproc_per_node=8 -m day22_megatron.train_4d --tp=2 --pp=2  # dp 2
 GPUs (NCCL):
     torchrun --standalone --nproc_per_node=gpu -m day22_megatron.train_4d --tp=2 --pp=2 \\
-        --config day22_megatron/gpu.toml
+        --config day22_megatron/gpu_4d.toml
 
 Environment: OMP_NUM_THREADS=1 (torchrun's default; ranks share 2 cores here).
 
@@ -34,6 +34,7 @@ from day22_megatron import formulas, layouts
 from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
     build_stack,
+    check_stack,
     clip_gradients,
     forward_backward,
     full_state,
@@ -106,14 +107,8 @@ class Config:
                 seq_length=self.seq_len,
                 sequence_parallel=self.sp,
             )
-            if lay.pp > 1 and (lay.cp > 1 or self.sp):
-                raise layouts.LayoutError(
-                    "this stack runs CP and SP without PP only (day 20's pipeline passes no "
-                    "position ids and (B, T, C) activations); megatron-core runs SP x PP"
-                )
-            from day21_sp_cp.cp import check_cp
-
-            check_cp(self.model_config().n_head, lay.tp, lay.cp, self.seq_len, self.attn, self.sp)
+            check_stack(self.model_config(), tp=lay.tp, pp=lay.pp, cp=lay.cp,
+                        seq_len=self.seq_len, attn=self.attn, sp=self.sp)  # fmt: skip
         except (layouts.LayoutError, CPError) as e:
             raise err(str(e)) from None
         self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"

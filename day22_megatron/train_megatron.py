@@ -8,8 +8,8 @@ CPU (gloo), 4 ranks, ~15 s (megatron-core's imports are most of it):
         --use-distributed-optimizer                         # interleaved 1F1B, ZeRO-1 over dp 2
     torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_megatron \\
         --tensor-model-parallel-size=2 --sequence-parallel --use-distributed-optimizer
-GPUs (NCCL): the same lines with --nproc_per_node=gpu --config day22_megatron/gpu.toml, or the
-Megatron-LM style scripts in day22_megatron/launch/ (2, 4, 8 GPUs, two nodes).
+GPUs (NCCL): the same lines with --nproc_per_node=gpu --config day22_megatron/gpu_megatron.toml,
+or the Megatron-LM style scripts in day22_megatron/launch/ (2, 4, 8 GPUs, two nodes).
 
 Environment: OMP_NUM_THREADS=1 (torchrun's default); CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs with
 TP or SP (Megatron sets it so a layer's communication kernels queue in issue order).

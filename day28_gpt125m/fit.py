@@ -11,7 +11,8 @@ full while a step runs):
     zero3      20Ψ/N: DeepSpeed keeps an fp32 master beside fp32 parameters   + every parameter
                (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
-    megatron   layers, the embedding on the first stage, the head on the last) + 0
+    megatron   layers, the embedding on the first stage, the head on the last) + 0; megatron's
+               DistributedOptimizer shards Adam's m and v over dp
 Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
 fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
@@ -61,7 +62,8 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
         resident, gathered = (16 if bf16 else 20) * psi / world, (2 if bf16 else 4) * psi
     else:
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
-        resident = max(sum(formulas.state_bytes(m, lay, r).values()) for r in range(pp))
+        distopt = strategy == "megatron"  # day 28 runs megatron-core with its DistributedOptimizer
+        resident = max(sum(formulas.state_bytes(m, lay, r, distopt).values()) for r in range(pp))
     t = tp if strategy in ("tp_pp", "megatron") else 1
     acts = formulas.activation_bytes(m, seq_len, micro, t, bf16)  # day 22's count
     states = resident + gathered

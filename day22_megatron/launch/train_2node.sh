@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# 2 nodes x 8 GPUs: TP 8 inside each node (NVLink), PP 2 across the nodes (one activation per
-# micro-batch crosses the network), DP 1. Run the same line on both nodes:
+# 2 nodes x 8 GPUs: TP inside each node (NVLink; TP=4 by default, so DP 2 per node), PP 2 across
+# the nodes (one activation per micro-batch crosses the network). Run the same line on both nodes:
 #   node 0: NODE_RANK=0 MASTER_ADDR=<node 0's address> bash day22_megatron/launch/train_2node.sh
 #   node 1: NODE_RANK=1 MASTER_ADDR=<node 0's address> bash day22_megatron/launch/train_2node.sh
-# GPT-2's 12 heads do not split over 8: use a model whose heads do (or TP 4 x DP 2 per node).
+# TP=8 (DP 1) needs a model whose heads split over 8: GPT-2's 12 do not.
 source "$(dirname "$0")/common.sh"
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NUM_NODES=${NUM_NODES:-2}
