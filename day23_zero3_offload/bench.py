@@ -10,8 +10,9 @@ templates  every template (and NVMe with the parameters paged: max_in_cpu 0) on 
            and batches: median step time and its ratio to no-offload ZeRO-3, bytes per location
            and disk traffic per step, each measured beside explain.predict.
 keys       one key changed at a time from its template: the median step, the peak of gathered
-           parameters (DeepSpeed's coordinator counter), the persistent and reduce-bucket bytes
-           on the device, the swap buffers in CPU memory; what moved, in one table.
+           parameters (measure.PeakGathered, from every non-persistent parameter's ds_status),
+           the persistent and reduce-bucket bytes on the device, the swap buffers in CPU
+           memory; what moved, in one table.
 fit        the largest GPT of a small grid that a device budget (per rank) fits with each
            template by the explainer; then the largest one for the CPU template really runs a
            step here, and its device bytes (resident + peak gathered) are printed beside the
@@ -139,7 +140,7 @@ def run_templates(cfg: Config, info) -> list[dict]:
         if max_in_cpu is not None:
             ds["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
         r = measure_run(cfg, info, rcfg, ds)
-        got, want = measure.totals(r["where"]), explain.totals(r["pred"])
+        got, want = explain.totals(r["where"]), explain.totals(r["pred"])
         rows.append(
             dict(
                 template=tag, step_ms=r["step_ms"],
@@ -263,7 +264,7 @@ def _run_largest(cfg: Config, info, row: dict) -> dict:
     rcfg.steps = 2
     rcfg.model_config = lambda: model
     r = measure_run(cfg, info, rcfg, rcfg.load_ds_config())
-    return dict(device_mb=measure.totals(r["where"])["device"] / MB)
+    return dict(device_mb=explain.totals(r["where"])["device"] / MB)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,8 +28,10 @@ the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same 
                                            nvme for partitions of >= max(1 MiB, aio block_size)
                                            bytes (smaller ones stay in CPU memory)
     persistent   n_i·e for n_i <= stage3_param_persistence_threshold: whole on every rank's device
-    grads        sum ceil(n_i/N)·e        device; CPU with offload_optimizer; with the optimizer on
-                                           NVMe the swappable partitions' gradients also on disk
+    grads        sum ceil(n_i/N)·e        device; CPU with offload_optimizer; with the optimizer
+                                           and the parameters on NVMe the swappable partitions'
+                                           gradients also on disk (the nvme template, measured;
+                                           optimizer-only NVMe is predicted without, unmeasured)
     optim        12·sum ceil(n_i/N)       fp32 master, exp_avg, exp_avg_sq; device, CPU, or NVMe
                                            (one file each per sub-group, 1 KiB aligned)
     buffers      device: the gradient-reduction bucket, reduce_bucket_size x e (with
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from day18_zero.ds_engine import DsConfigError, check_sections
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.metrics import PEAK_BF16_FLOPS
 from dtl.model import GPT, PRESETS, GPTConfig, flops_per_token
 
 GB, MiB = 1e9, 1024**2
@@ -184,10 +187,6 @@ def param_groups(cfg: GPTConfig) -> list[list[int]]:
     return [[p.numel() for p in g["params"]] for g in optimizer_groups(gpt, 0.0)]
 
 
-def param_sizes(cfg: GPTConfig) -> list[int]:
-    return [n for group in param_groups(cfg) for n in group]
-
-
 def _aligned(nbytes: float) -> int:
     return int(math.ceil(nbytes / AIO_ALIGN) * AIO_ALIGN)
 
@@ -290,11 +289,6 @@ def _cpu_resident(parts, subs, max_in_cpu: int) -> list[bool]:
     return resident
 
 
-def disk_bytes_per_step(pred: dict) -> dict[str, float]:
-    """NVMe traffic of one step (predict's "disk" entry, module top)."""
-    return pred["disk"]
-
-
 def deepspeed_estimate(ds: dict, sizes: list[int], world: int) -> tuple[float, float]:
     """(CPU bytes per node, device bytes per GPU) from DeepSpeed's estimator for this config."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -390,7 +384,6 @@ def largest_fit(
 # ~7 GB/s read, ~4 GB/s write (datasheets of current data-centre drives). Assumptions, named.
 PCIE_GBS = 55.0
 NVME_READ_GBS, NVME_WRITE_GBS = 7.0, 4.0
-H200_BF16 = 989e12  # dtl.metrics.PEAK_BF16_FLOPS["H200"]
 MFU = 0.4
 
 
@@ -423,7 +416,7 @@ def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
     )
     lines = [head]
     for name, cfg in models.items():
-        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * H200_BF16)
+        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * PEAK_BF16_FLOPS["H200"])
         for t in TEMPLATES:
             ds = read(template_path(t))
             ds["bf16"] = {"enabled": True}

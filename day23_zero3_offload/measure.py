@@ -34,8 +34,7 @@ import os
 
 import torch
 
-LOCATIONS = ("device", "cpu", "nvme")
-KINDS = ("params", "persistent", "gathered", "grads", "optim", "buffers")
+from day23_zero3_offload.explain import KINDS, LOCATIONS  # one table of where and what
 
 
 def _nbytes(t) -> int:
@@ -143,10 +142,6 @@ def io_bytes() -> dict[str, int]:
     except OSError:
         return {"read": 0, "write": 0}
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
-
-
-def totals(where: dict[str, dict[str, int]]) -> dict[str, int]:
-    return {loc: sum(kinds.values()) for loc, kinds in where.items()}
 
 
 class PeakGathered:

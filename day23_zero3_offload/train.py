@@ -197,6 +197,7 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
             disk_write_mb=f"{swapped[-1]['write'] / MB:.1f}",
         )
     log.close()
+    peak.remove()  # the hooks sample every module; a later use of the engine runs without them
     return dict(
         engine=engine, ds=ds, losses=losses, times=times, swapped=swapped, corpus=corpus,
         where=measure.locations(engine, info.rank, peak), **states,

@@ -172,7 +172,7 @@ def test_save_and_resume_give_back_the_saved_state_exactly(runs, name):
 @pytest.mark.xfail(
     strict=True,
     reason="DeepSpeed 0.19.8: load_checkpoint with the optimizer on NVMe restores the initial "
-    "weights (PLATFORM.md); strict, so a fixed DeepSpeed turns this test red to be noticed",
+    "weights (day 23's Pitfalls); strict, so a fixed DeepSpeed turns this test red to be noticed",
 )
 def test_resume_with_the_optimizer_on_nvme_is_exact(runs):
     _resume_is_exact(runs["nvme"])
