@@ -46,6 +46,7 @@ def _set_lr(optimizer, lr: float) -> None:
 class Strategy:
     name = ""
     last_state: dict | None = None  # this rank's params / grads / optim bytes at the last step
+    measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         """One optimizer step over this DP rank's micro-batches; returns (the mean loss where
@@ -111,9 +112,10 @@ class TorchData(Strategy):
             norm = norm.full_tensor()
         _set_lr(self.optimizer, lr)
         self.optimizer.step()
-        from day18_zero.engines import live_state_bytes  # counts an FSDP2 shard, not the whole
+        if self.measure_state:
+            from day18_zero.engines import live_state_bytes  # counts an FSDP2 shard, not all
 
-        self.last_state = live_state_bytes(self.gpt.parameters(), self.optimizer)
+            self.last_state = live_state_bytes(self.gpt.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total, float(norm)
 
@@ -175,12 +177,13 @@ class DeepSpeedZero3(Strategy):
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             self.engine.step()  # a no-op until the accumulation boundary
             total += loss.item()
-        from day23_zero3_offload.measure import locations
+        if self.measure_state:
+            from day23_zero3_offload.measure import locations
 
-        where = locations(self.engine, dist.get_rank())
-        self.last_state = {
-            k: sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim")
-        }
+            where = locations(self.engine, dist.get_rank())
+            self.last_state = {
+                k: sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim")
+            }
         return total / len(micro_batches), float(self.engine.get_global_grad_norm())
 
     def save(self, folder, step):
@@ -222,9 +225,10 @@ class OurTPPP(Strategy):
         norm = s.clip_gradients(self.stack, self.r.clip or None)
         _set_lr(self.stack.optimizer, lr)
         self.stack.optimizer.step()
-        from day22_megatron.train_4d import state_bytes
+        if self.measure_state:
+            from day22_megatron.train_4d import state_bytes
 
-        self.last_state = state_bytes(self.stack)
+            self.last_state = state_bytes(self.stack)
         self.stack.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 

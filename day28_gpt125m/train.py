@@ -43,7 +43,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
-from dtl.metrics import StepLogger, peak_flops
+from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
 from dtl.testing import one_process_gpt, reference_verdict
 
@@ -208,6 +208,7 @@ def run(cfg: Config, info, grid) -> dict:
     t_wait = time.perf_counter()
     for step, (x, y) in loader:
         waits.append(time.perf_counter() - t_wait)  # the step was ready, or it waited for data
+        strategy.measure_state = step == (cfg.stop_at or cfg.steps) - 1  # state bytes: last step
         t0 = time.perf_counter()
         loss, norm = strategy.step(split_micro_batches(x, y, cfg.micro_batch_size, info.device),
                                    lr_at(step, r))  # fmt: skip
@@ -258,7 +259,8 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     tokens_s = cfg.global_batch_size * cfg.seq_len / med
     peak = peak_flops(info.device)
     fpt = flops_per_token(cfg.model_config(), cfg.seq_len)
-    mfu = f"{fpt * tokens_s / (peak * info.world_size):.1%}" if peak else "n/a (no peak for a CPU)"
+    value = mfu(fpt, tokens_s, peak, info.world_size)
+    shown = f"{value:.1%}" if value is not None else "n/a (no peak for a CPU)"
     wait = sum(result["waits"][1:]) / sum(steady)  # seconds over seconds
     verdict = "one-process check skipped (check=false)"
     if cfg.resume or cfg.stop_at:
@@ -280,14 +282,13 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
         )  # fmt: skip
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    val = torch.tensor([result["val_loss"] or 0.0], device=info.device)
-    dist.broadcast(val, src=0)
     dtl_dist.print0(
         f"summary: day28 {cfg.strategy} {cfg.model} on {info.world_size} ranks ({grid}): {verdict}"
     )
+    val = result["val_loss"] or 0.0  # rank 0 evaluates; print0 prints there
     dtl_dist.print0(
-        f"summary: final loss {result['losses'][-1]:.4f}, val loss {val.item():.4f}; "
-        f"{tokens_s:,.0f} tokens/s, MFU {mfu}; waiting for data {wait:.1%} of the step time"
+        f"summary: final loss {result['losses'][-1]:.4f}, val loss {val:.4f}; "
+        f"{tokens_s:,.0f} tokens/s, MFU {shown}; waiting for data {wait:.1%} of the step time"
     )
     return "NO" not in verdict
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtl.flat import FlatBuffer
+
 DEFAULT_TIMEOUT_S = 120  # a desync fails in two minutes instead of NCCL's default 10 (gloo: 30)
 
 
@@ -155,14 +157,11 @@ def average_gradients(params, group=None) -> int:
     sent = 0
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])  # (sum of numels,): one bucket
-        dist.all_reduce(flat, group=group)
-        flat /= n
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        sent += flat.numel() * flat.element_size()
+        flat = FlatBuffer.of(same)  # (sum of numels,): one bucket
+        dist.all_reduce(flat.data, group=group)
+        flat.data /= n
+        flat.copy_to(same)
+        sent += flat.data.numel() * flat.data.element_size()
     return sent
 
 
