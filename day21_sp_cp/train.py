@@ -38,7 +38,7 @@ from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
 from dtl.dist import ParallelGrid
-from dtl.metrics import StepLogger
+from dtl.metrics import StepLogger, matches_formula
 from dtl.model import GPT, PRESETS, loss_fn, preset
 from dtl.testing import one_process_gpt, reference_verdict
 
@@ -190,10 +190,6 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     return dict(losses=losses, sent=sent, act=act, corpus=corpus, full=full)
 
 
-def _close(a: float, b: float, rel: float = 1e-9) -> bool:
-    return abs(a - b) <= rel * max(abs(b), 1.0)
-
-
 def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     got_act, want_act = result["act"]
     act_err = abs(got_act - want_act) / want_act
@@ -211,9 +207,9 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
             dtl_dist.print0(
                 f"bytes sent per rank per step by {what}: {got[axis] / MB:.3f} MB measured, "
                 f"{want[axis] / MB:.3f} MB formula "
-                f"({'exact' if _close(got[axis], want[axis]) else 'MISMATCH'})"
+                f"({'exact' if matches_formula(got[axis], want[axis]) else 'MISMATCH'})"
             )
-    comm_ok = all(_close(got[a], want[a]) for a in want)
+    comm_ok = all(matches_formula(got[a], want[a]) for a in want)
     verdict = _compare(cfg, info, grid, result)
     ok = "NO" not in verdict and comm_ok and act_err <= 0.10
     dtl_dist.print0(

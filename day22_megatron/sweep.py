@@ -140,8 +140,8 @@ def measure(cfg: Config, info, lay: layouts.Layout) -> dict:
         step_ms=dtl_dist.all_reduce_scalar(step_s, average=True) * 1e3,
     )  # fmt: skip
     row["tokens_per_s"] = cfg.global_batch_size * cfg.seq_len / (row["step_ms"] / 1e3)
-    keys = ("params", "grads", "optim", *AXES)
-    row["exact"] = all(abs(got[k] - want[k]) <= 1e-9 * max(want[k], 1.0) for k in keys)
+    # every rank's own figures against its own stage's formulas (the columns show the maxima)
+    row["exact"] = train_4d.measured_vs_formula(run_cfg, grid, result)[1]
     return row
 
 

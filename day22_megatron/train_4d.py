@@ -45,7 +45,7 @@ from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus, split_micro_batches
 from dtl.dist import ParallelGrid
-from dtl.metrics import StepLogger
+from dtl.metrics import StepLogger, matches_formula
 from dtl.model import PRESETS
 from dtl.testing import one_process_gpt, reference_verdict
 
@@ -204,10 +204,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _close(a: float, b: float, rel: float = 1e-9) -> bool:
-    return abs(a - b) <= rel * max(abs(b), 1.0)
-
-
 def measured_vs_formula(cfg: Config, grid, result: dict) -> tuple[list[str], bool]:
     """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
     lay, mcfg = cfg.layout, cfg.model_config()
@@ -218,7 +214,7 @@ def measured_vs_formula(cfg: Config, grid, result: dict) -> tuple[list[str], boo
     )  # fmt: skip
     got = {**result["state"], **result["sent"]}
     want = {**want_state, **want_comm}
-    exact = {k: _close(got[k], want[k]) for k in want}
+    exact = {k: matches_formula(got[k], want[k]) for k in want}
     bad = torch.tensor([float(not all(exact.values()))], device=result["device"])
     dist.all_reduce(bad)
     lines = [

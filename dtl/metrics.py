@@ -50,6 +50,11 @@ def mfu(
     return flops_per_token * tokens_per_s / (peak_per_device * n_devices)
 
 
+def matches_formula(measured: float, predicted: float, rel: float = 1e-9) -> bool:
+    """A counted figure (bytes held, bytes sent) equals its formula: equal up to float rounding."""
+    return abs(measured - predicted) <= rel * max(abs(predicted), 1.0)
+
+
 def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     """Peak memory in MiB: CUDA allocator peaks on a GPU, process peak RSS on the CPU."""
     device = torch.device(device or "cpu")
