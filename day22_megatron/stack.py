@@ -79,6 +79,7 @@ def build_stack(
     lr: float = 1e-3,
     weight_decay: float = 0.1,
     eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
     device="cpu",
 ) -> Stack:
     sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
@@ -101,7 +102,9 @@ def build_stack(
     else:
         named = dict(gpt.named_parameters(remove_duplicate=False))
         params = list(gpt.parameters())
-    optimizer = torch.optim.AdamW(optimizer_groups(params, weight_decay), lr=lr, eps=eps)
+    optimizer = torch.optim.AdamW(
+        optimizer_groups(params, weight_decay), lr=lr, eps=eps, betas=betas
+    )
     return Stack(grid, gpt, pipeline, params, named, loss, optimizer)
 
 

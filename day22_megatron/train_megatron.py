@@ -72,6 +72,8 @@ class Config:
     weight_decay: float = 0.1  # on matrices only (megatron's wd_mult 0 for biases and norms)
     clip_grad: float = 1.0  # global gradient-norm clip (megatron's default), 0 disables it
     adam_eps: float = 1e-8  # Adam epsilon (megatron's default)
+    adam_beta1: float = 0.9  # Adam's first-moment decay (megatron's default)
+    adam_beta2: float = 0.999  # Adam's second-moment decay (megatron's default; GPT-3: 0.95)
     bf16: bool = False  # bf16 parameters, fp32 main params in the optimizer (GPUs)
     seed: int = 0  # model init and batches
     check: bool = True  # rank 0 trains the dtl GPT in one process and compares
@@ -200,6 +202,8 @@ def build(cfg: Config, grid, device):
         min_lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         adam_eps=cfg.adam_eps,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
         clip_grad=cfg.clip_grad,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         bf16=cfg.bf16,
@@ -218,7 +222,8 @@ def build(cfg: Config, grid, device):
 
 
 def train_step(model, optimizer, scheduler, forward_step, mbs, cfg: Config):
-    """One optimizer step: megatron's schedule runs every micro-batch's forward and backward."""
+    """One optimizer step: megatron's schedule runs every micro-batch's forward and backward.
+    scheduler None: the caller has written this step's lr and weight decay into the groups."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for m in model:
@@ -237,7 +242,8 @@ def train_step(model, optimizer, scheduler, forward_step, mbs, cfg: Config):
     )  # finalize_model_grads ran at its end: grads synced over DP, tied embeddings summed
     with dm.optimizer_shim():
         _, grad_norm, _ = optimizer.step()  # clip by the global norm (over TP x PP), then Adam
-    scheduler.step(increment=1)
+    if scheduler is not None:
+        scheduler.step(increment=1)
     # the loss exists on the last pipeline stage only (one dict per micro-batch)
     loss = sum(o["lm loss"].item() for o in outputs) / len(mbs) if outputs else 0.0
     return loss, grad_norm
@@ -343,6 +349,7 @@ def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             eps=cfg.adam_eps,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
             clip_grad=cfg.clip_grad or None,
             grad_norms=ref_norms,
         )

@@ -213,10 +213,9 @@ class OurTPPP(Strategy):
         self.stack_mod, self.r = stack, r
         self.stack = stack.build_stack(
             cfg, grid, micro_batch_size=micro_batch, microbatches=accum, seq_len=seq_len,
-            seed=seed, lr=r.lr, weight_decay=r.weight_decay, eps=r.eps, device=device,
+            seed=seed, lr=r.lr, weight_decay=r.weight_decay, eps=r.eps, betas=r.betas,
+            device=device,
         )  # fmt: skip
-        for group in self.stack.optimizer.param_groups:
-            group["betas"] = r.betas
 
     def step(self, micro_batches, lr):
         s = self.stack_mod
@@ -282,15 +281,14 @@ class Megatron(Strategy):
             tensor_model_parallel_size=grid.tp_size, pipeline_model_parallel_size=grid.pp_size,
             micro_batch_size=micro_batch, global_batch_size=global_batch, seq_length=seq_len,
             train_iters=steps, lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip,
-            adam_eps=r.eps, seed=seed, use_distributed_optimizer=True, check=False,
+            adam_eps=r.eps, adam_beta1=r.betas[0], adam_beta2=r.betas[1], seed=seed,
+            use_distributed_optimizer=True, check=False,
         )  # fmt: skip
         self.mcfg.model_config = lambda: cfg  # the recipe's model, not a preset name
         self._shim = contextlib.ExitStack()
         dm.init_parallel_state(grid)
         self._shim.enter_context(dm.cpu_shim())
         self.chunks, self.model, self.optimizer, _ = tm.build(self.mcfg, grid, device)
-        for group in self.optimizer.param_groups:  # megatron's Adam: the recipe's betas
-            group["betas"] = r.betas
         self.forward_step = tm.make_forward_step(seq_len, device)
 
     def step(self, micro_batches, lr):
@@ -298,22 +296,8 @@ class Megatron(Strategy):
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.r.weight_decay * group.get("wd_mult", 1.0)
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        iterators = [iter(list(micro_batches)) for _ in self.model]
-        outputs = get_forward_backward_func()(
-            forward_step_func=self.forward_step,
-            data_iterator=iterators if len(self.model) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(micro_batches), seq_length=self.mcfg.seq_length,
-            micro_batch_size=self.mcfg.micro_batch_size, forward_only=False,
-        )  # fmt: skip
-        with self.dm.optimizer_shim():
-            _, norm, _ = self.optimizer.step()
-        loss = sum(o["lm loss"].item() for o in outputs) / len(micro_batches) if outputs else None
+        loss, norm = self.tm.train_step(self.model, self.optimizer, None, self.forward_step,
+                                        micro_batches, self.mcfg)  # fmt: skip
         return loss, float(norm)
 
     def full_parameters(self):
