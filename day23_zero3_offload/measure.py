@@ -34,11 +34,8 @@ import os
 
 import torch
 
+from day18_zero.engines import nbytes
 from day23_zero3_offload.explain import KINDS, LOCATIONS  # one table of where and what
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _empty() -> dict[str, dict[str, int]]:
@@ -88,7 +85,7 @@ def locations(engine, rank: int, peak: PeakGathered | None = None) -> dict[str, 
         # with NVMe); a partition outside them lives alone: in CPU memory if too small to swap,
         # else only in its swap file (and, while in use, in a swap buffer)
         flats = [t for t in opt.param_groups_fp16_flat_cpu_memory if t.numel() > 1]
-        out["cpu"]["params"] += sum(_nbytes(t) for t in flats)
+        out["cpu"]["params"] += sum(nbytes(t) for t in flats)
         for p in engine.module.parameters():
             if not _inside(p.ds_tensor, flats) and p.ds_id not in on_disk:
                 out["cpu"]["params"] += p.ds_tensor.ds_numel * p.ds_tensor.element_size()
@@ -102,17 +99,17 @@ def locations(engine, rank: int, peak: PeakGathered | None = None) -> dict[str, 
     if peak is not None:
         out["device"]["gathered"] = peak.peak * next(engine.module.parameters()).element_size()
     opt_home = "cpu" if opt.offload_optimizer else "device"
-    out[opt_home]["grads"] += _nbytes(opt.grad_partitions_flat_buffer)
+    out[opt_home]["grads"] += nbytes(opt.grad_partitions_flat_buffer)
     # the fp32 master partitions and Adam's state that are in memory (a swapped sub-group's are
     # released between steps: they are the optimizer's swap files)
     state = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    masters = sum(_nbytes(t) for t in opt.fp32_partitioned_groups_flat)
-    out[opt_home]["optim"] += masters + sum(_nbytes(t) for t in state if t.dim() > 0)
+    masters = sum(nbytes(t) for t in opt.fp32_partitioned_groups_flat)
+    out[opt_home]["optim"] += masters + sum(nbytes(t) for t in state if t.dim() > 0)
     if opt.swap_optimizer:
         manager = opt.optimizer_swapper.swap_buffer_manager
-        out["cpu"]["buffers"] += sum(_nbytes(b) for b in manager.all_buffers)
+        out["cpu"]["buffers"] += sum(nbytes(b) for b in manager.all_buffers)
     if swapper is not None:
-        out["cpu"]["buffers"] += _nbytes(swapper.buffers)
+        out["cpu"]["buffers"] += nbytes(swapper.buffers)
     out["nvme"] = swap_files(swap_folder(engine), rank)
     return out
 
@@ -122,7 +119,7 @@ def _inside(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
     if t.numel() == 0:
         return False
     start = t.data_ptr()
-    return any(b.data_ptr() <= start < b.data_ptr() + _nbytes(b) for b in buffers)
+    return any(b.data_ptr() <= start < b.data_ptr() + nbytes(b) for b in buffers)
 
 
 def _param_swapper(engine):
@@ -175,4 +172,4 @@ def reduce_buffer_bytes(engine) -> int:
     """The contiguous gradient-reduction buckets (reduce_bucket_size elements each, with
     contiguous_gradients), on the device."""
     buckets = engine.optimizer.ipg_buckets.values()
-    return sum(_nbytes(getattr(b, "buffer", None)) for b in buckets)
+    return sum(nbytes(getattr(b, "buffer", None)) for b in buckets)

@@ -81,8 +81,9 @@ class ShardedTokens:
         with open(path) as f:
             self.index = json.load(f)
         self.paths = [os.path.join(folder, n) for n in self.index["shards"]]
-        self._maps: list[np.memmap] | None = None
-        sizes = [_open_shard(p).shape[0] for p in self.paths]  # validates every header now
+        # validates every header now; a worker gets the paths and reopens them (__getstate__)
+        self._maps: list[np.memmap] | None = [_open_shard(p) for p in self.paths]
+        sizes = [m.shape[0] for m in self._maps]
         if sum(sizes) != self.index["tokens"]:
             raise DataError(f"{folder}: shards hold {sum(sizes):,} tokens, index says otherwise")
         self.starts = np.cumsum([0, *sizes])
