@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from day16_nccl import algorithms as algo
+from dtl import compat
 from dtl.comm import BUSBW_FACTOR
 
 # op name -> (nccl-tests kind for the busbw factor, hand-written?)
@@ -61,17 +62,17 @@ def _run_and_expect(op: str, numel: int, dtype, device, chunk: int):
         out = torch.empty(numel, dtype=dtype, device=device)  # both get a preallocated output
         if op == "ring_all_gather":
             return (lambda: algo.ring_all_gather(parts[r], numel, out=out)[0]), torch.cat(parts)
-        return (lambda: (dist.all_gather_single(out, parts[r]), out)[1]), torch.cat(parts)
+        return (lambda: (compat.all_gather_single(out, parts[r]), out)[1]), torch.cat(parts)
     expected = total[r * m : (r + 1) * m]  # reduce_scatter: chunk r of the sum
     out = torch.empty(m, dtype=dtype, device=device)
     if op == "ring_reduce_scatter":
         return (lambda: algo.ring_reduce_scatter(mine, out=out)[0]), expected
-    return (lambda: (dist.reduce_scatter_single(out, mine), out)[1]), expected
+    return (lambda: (compat.reduce_scatter_single(out, mine), out)[1]), expected
 
 
 def make_case(op: str, nbytes: int, n: int, dtype, device, chunk_bytes: int) -> Case:
     kind, _ = OPS[op]
-    elem = torch.empty(0, dtype=dtype).element_size()
+    elem = dtype.itemsize  # bytes per element, read off the dtype: no tensor needed
     numel = max(nbytes // elem, 1)
     if kind in ("all_gather", "reduce_scatter"):
         numel = max(numel // n, 1) * n  # nccl-tests too rounds the count to a multiple of n

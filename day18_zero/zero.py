@@ -52,6 +52,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from day17_ddp.ddp_manual import assign_buckets
+from dtl import compat
 from dtl.flat import FlatBuffer
 
 STAGES = (1, 2, 3)
@@ -152,7 +153,7 @@ class Bucket:
         # (P,) my local grads on every rank -> (P/N,) the SUM over ranks of my slice, written in
         # place into my slice of the same buffer (NCCL and gloo both accept this aliasing)
         data = self.full_grads.data
-        self.reduce_work = dist.reduce_scatter_single(
+        self.reduce_work = compat.reduce_scatter_single(
             self.full_grads.shard(self.rank, self.world), data, group=self.group, async_op=True
         )
 
@@ -181,7 +182,7 @@ class Bucket:
         storage = self.full.data.untyped_storage()
         storage.resize_(self.padded_numel * self.full.data.element_size())  # memory back
         # (P/N,) my slice on every rank -> (P,) all slices in rank order, into the full buffer
-        self.gather_work = dist.all_gather_single(
+        self.gather_work = compat.all_gather_single(
             self.full.data, self.param_shard, group=self.group, async_op=True
         )
 
@@ -425,7 +426,7 @@ class ZeroModel(nn.Module):
                 b.param_shard.copy_(b.master)  # fp32 master -> the slice (CPU -> device)
             if self.stage < 3:
                 # (P/N,) my new slice -> (P,) every rank's, into the model's parameters in place
-                b.gather_work = dist.all_gather_single(
+                b.gather_work = compat.all_gather_single(
                     b.full.data, b.param_shard, group=self.group, async_op=True
                 )
         for b in self.buckets:
@@ -476,7 +477,7 @@ class ZeroModel(nn.Module):
                 buf = FlatBuffer(
                     b.full.shapes, dtype=b.dtype, device=b.full.data.device, pad_to=self.world
                 )
-                dist.all_gather_single(buf.data, b.param_shard, group=self.group)
+                compat.all_gather_single(buf.data, b.param_shard, group=self.group)
             out.update({n: v.clone() for n, v in zip(b.names, buf.views)})
         return out
 

@@ -7,7 +7,9 @@ beside the formula.
 
 It wraps the `torch.distributed` Python functions while active, so it sees every call made through
 `dist.<op>` from Python: the hand-written lessons, `batch_isend_irecv` lists, and libraries that
-call `dist.*` (FSDP2's all_gather_single / reduce_scatter_single). It does not see collectives
+call `dist.*` (FSDP2's all_gather_single / reduce_scatter_single; on torch < 2.13, which lacks
+those names, all_gather_into_tensor / reduce_scatter_tensor). It wraps only the names this torch
+has. It does not see collectives
 issued from C++ (DDP's Reducer: day 17 counts those with a comm hook) nor the functional
 collectives DTensor uses (`torch.distributed._functional_collectives`).
 """
@@ -102,21 +104,27 @@ class CommCounter:
             self._count(kind, _nbytes(bound.arguments[data_arg]), bound.arguments.get("group"))
             return fn(*args, **kwargs)
 
+        # a name dtl.compat hides (DTL_HIDE_NEW_COLLECTIVES) stays hidden behind the counter
+        counted.dtl_hidden = getattr(fn, "dtl_hidden", False)
         return counted
 
-    def _wrap_batch(self, batch_fn, isend):
+    def _wrap_batch(self, batch_fn):
         def counted(p2p_op_list):
             for op in p2p_op_list:  # P2POp(op, tensor, peer, group): one send or recv each
-                self._count("send" if op.op is isend else "recv", _nbytes(op.tensor), op.group)
+                # by name: op.op is torch's own isend even when dist.isend is wrapped
+                kind = "send" if op.op.__name__ == "isend" else "recv"
+                self._count(kind, _nbytes(op.tensor), op.group)
             return batch_fn(p2p_op_list)
 
         return counted
 
     def __enter__(self) -> CommCounter:
-        originals = {name: getattr(dist, name) for name in (*_OPS, "P2POp", "batch_isend_irecv")}
+        names = [n for n in (*_OPS, "P2POp", "batch_isend_irecv") if hasattr(dist, n)]
+        originals = {name: getattr(dist, name) for name in names}
         self._saved = originals
         for name in _OPS:
-            setattr(dist, name, self._wrap(name, originals[name]))
+            if name in originals:  # all_gather_single exists from torch 2.13 only
+                setattr(dist, name, self._wrap(name, originals[name]))
         # P2POp only accepts the real isend/irecv (it checks identity), so hand it those back;
         # the ops inside a batch are counted by the batch_isend_irecv wrapper instead.
         real = {dist.isend: originals["isend"], dist.irecv: originals["irecv"]}
@@ -131,7 +139,7 @@ class CommCounter:
 
         dist.P2POp = P2POp
         batch = originals["batch_isend_irecv"]
-        dist.batch_isend_irecv = self._wrap_batch(batch, originals["isend"])
+        dist.batch_isend_irecv = self._wrap_batch(batch)
         return self
 
     def __exit__(self, *exc) -> None:

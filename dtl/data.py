@@ -222,7 +222,7 @@ def batch_offsets(
     if n_tokens < seq_len + 1:
         raise DataError(f"{n_tokens} tokens cannot fill one sequence of {seq_len} + 1 tokens")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)
+    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)  # host: offsets
 
 
 def get_batch(
@@ -250,7 +250,7 @@ def get_batch(
     offsets = batch_offsets(len(tokens), seq_len, dp_size * batch_size, seed, step)
     mine = offsets[dp_rank * batch_size : (dp_rank + 1) * batch_size]
     rows = np.stack([tokens[o : o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
-    rows = torch.from_numpy(rows)
+    rows = torch.from_numpy(rows)  # host: the caller moves the batch to its device
     x, y = rows[:, :-1], rows[:, 1:]
     if n_chunks == 1:
         return x, y
@@ -324,7 +324,7 @@ def cp_unshard(shards: list[torch.Tensor], split: str = "contiguous", dim: int =
 
 def cp_positions(seq_len: int, cp_rank: int = 0, cp_size: int = 1, split: str = "contiguous"):
     """(seq_len / cp_size,) int64 position ids of the tokens rank `cp_rank` holds."""
-    return cp_shard(torch.arange(seq_len), cp_rank, cp_size, split, dim=0)
+    return cp_shard(torch.arange(seq_len), cp_rank, cp_size, split, dim=0)  # host: as get_batch
 
 
 # --- MNIST -----------------------------------------------------------------------------------
@@ -353,7 +353,8 @@ def load_mnist(path: str | None = None) -> dict[str, torch.Tensor]:
     import zarr
 
     group = zarr.open_group(zarr.storage.ZipStore(zip_path, mode="r"), mode="r")
-    return {k: torch.from_numpy(np.asarray(group[k][:], dtype=np.uint8)) for k in MNIST_SPLITS}
+    arrays = {k: np.asarray(group[k][:], dtype=np.uint8) for k in MNIST_SPLITS}
+    return {k: torch.from_numpy(a) for k, a in arrays.items()}  # host: the loader moves batches
 
 
 def _read_idx(folder: str, fname: str) -> torch.Tensor:
@@ -375,7 +376,7 @@ def _read_idx(folder: str, fname: str) -> torch.Tensor:
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
         raise DataError(f"{fname}: header says {dims} but the file holds {data.size} bytes")
-    return torch.from_numpy(data.reshape(dims).copy())
+    return torch.from_numpy(data.reshape(dims).copy())  # host: as load_mnist
 
 
 def write_idx(path: str, array: np.ndarray) -> None:

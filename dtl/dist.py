@@ -63,6 +63,22 @@ def choose_backend(local_world_size: int) -> str:
     return "gloo"
 
 
+def local_world_size() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE,
+    else the world size (one node)."""
+    world = _env_int("WORLD_SIZE", 1)
+    return _env_int("LOCAL_WORLD_SIZE", _env_int("LOCAL_SIZE", world))
+
+
+def planned_backend() -> str:
+    """The backend this run has, or will have once init() runs: known before any process group,
+    so a config can be checked against the device (DeepSpeed's accelerator, device memory) first.
+    Raises BackendError (one line) for a DTL_BACKEND the course does not run."""
+    if dist.is_initialized():
+        return dist.get_backend()
+    return choose_backend(local_world_size())
+
+
 def timeout_s() -> float:
     return float(os.environ.get("DTL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
@@ -75,14 +91,23 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_size = local_world_size()
     if dist.is_initialized():  # already joined (e.g. under dtl.testing): report what it is
         backend = dist.get_backend()
     else:
+        automatic = backend is None and not os.environ.get("DTL_BACKEND")
         try:
-            backend = backend or choose_backend(local_world_size)
+            backend = backend or choose_backend(local_size)
         except BackendError as e:
             exit_with_error(e)
+        if automatic and backend == "gloo" and torch.cuda.is_available() and rank == 0:
+            # a GPU machine with fewer GPUs than local ranks: say it, or a PASS reads as a GPU's
+            print(
+                f"note: gloo on the CPU: {local_size} ranks on this node, "
+                f"{torch.cuda.device_count()} GPU(s) (NCCL needs one GPU per rank); "
+                "this run is not a GPU result",
+                flush=True,
+            )
     if backend == "nccl" and not torch.cuda.is_available():
         exit_with_error("backend nccl needs CUDA GPUs; this machine has none (use gloo)")
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
@@ -102,7 +127,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
             dist.init_process_group(rank=rank, world_size=world_size, **kwargs)
         else:  # plain `python script.py`: a one-process group backed by an in-memory store
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return DistInfo(rank, world_size, local_rank, local_world_size, backend, device)
+    return DistInfo(rank, world_size, local_rank, local_size, backend, device)
 
 
 def _attempt_store(world_size: int) -> dist.Store:
@@ -135,11 +160,20 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
 
 
+def run_device(group=None) -> torch.device:
+    """The device a tensor must be on to enter a collective on `group` (default: the world):
+    this rank's GPU under NCCL, the CPU under gloo (a gloo run on a GPU machine included).
+    NCCL raises at once on a CPU tensor; gloo would take a tensor from anywhere, which is why
+    every tensor the course builds for a collective names this device."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
     """Sum (or average) one Python number over `group`: a float64 tensor on the device the
     backend needs (NCCL only reduces CUDA tensors), for losses and timings in step logs."""
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=run_device(group))
     dist.all_reduce(t, group=group)
     return t.item() / (dist.get_world_size(group) if average else 1)
 
@@ -266,7 +300,7 @@ class ParallelGrid:
                 f"does not match world size {world_size}"
             )
         self.world_size = world_size
-        self.ranks = torch.arange(world_size).view(pp, dp, cp, tp)
+        self.ranks = torch.arange(world_size).view(pp, dp, cp, tp)  # host: a rank table
         where = (self.ranks == self.rank).nonzero()[0].tolist()
         self.coords = dict(zip(AXES, where))
         self.combos = [(a,) for a in AXES]

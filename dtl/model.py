@@ -319,12 +319,12 @@ def init_tensor(name: str, shape, seed: int, n_layer: int) -> torch.Tensor:
     every other weight N(0, 0.02). Full shape, fp32, on the CPU: a shard slices it.
     """
     if name.endswith("bias"):
-        return torch.zeros(shape)
+        return torch.zeros(shape)  # host: init on the CPU, the same on every machine
     if name.startswith("ln_") or ".ln_" in name:
-        return torch.ones(shape)
+        return torch.ones(shape)  # host
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
     gen = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen) * std  # host: a CPU generator
 
 
 @torch.no_grad()

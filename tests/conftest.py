@@ -1,6 +1,12 @@
-"""Test-wide settings: one thread per rank, Hugging Face offline, DeepSpeed's prebuilt ops."""
+"""Test-wide settings: one thread per rank, Hugging Face offline, DeepSpeed's prebuilt ops, and
+NCCL's rules on gloo in every process the tests start (dtl/compat.py, dtl/nccl_rules.py)."""
 
 import os
+
+# the course's code may not call torch 2.13-only collectives: they fail as on torch 2.11/2.12
+os.environ.setdefault("DTL_HIDE_NEW_COLLECTIVES", "1")
+# sends and receives match in posting order, as on NCCL, not by tag as gloo would
+os.environ.setdefault("DTL_P2P_IGNORE_TAGS", "1")
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from day16_nccl import algorithms as algo
 from day16_nccl import cost_model
+from dtl import compat
 from dtl.testing import run_distributed
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8}
@@ -93,11 +94,11 @@ def _check_ring_pieces(numel, fails, g):
         fails.append(f"ring_all_gather n={n} numel={numel}: counts {ag}")
     if numel % n == 0:  # the built-ins need equal chunks
         out = torch.empty(numel // n)
-        dist.reduce_scatter_single(out, x, group=g)
+        compat.reduce_scatter_single(out, x, group=g)
         if not torch.equal(mine, out):
             fails.append(f"ring_reduce_scatter n={n} numel={numel}: != reduce_scatter_single")
         out = torch.empty(numel)
-        dist.all_gather_single(out, mine, group=g)
+        compat.all_gather_single(out, mine, group=g)
         if not torch.equal(gathered, out):
             fails.append(f"ring_all_gather n={n} numel={numel}: != all_gather_single")
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtl import compat
 from dtl.comm import BUSBW_FACTOR, CommCounter
 from dtl.dist import ParallelGrid
 from dtl.testing import run_distributed
@@ -85,7 +86,7 @@ def _count_batched_p2p_and_mixed_groups():
             work.wait()
         dist.all_reduce(torch.ones(100), group=grid.tp_group)  # n = 2: factor 1
         dist.all_reduce(torch.ones(100))  # n = 4: factor 1.5
-        dist.all_gather_single(torch.empty(4 * 10), torch.ones(10))
+        compat.all_gather_single(torch.empty(4 * 10), torch.ones(10))
     return dict(comm.calls), dict(comm.bytes), comm.ring_bytes_per_rank("all_reduce")
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtl import dist as dtl_dist
 from dtl.dist import BackendError, ParallelGrid, choose_backend
 from dtl.testing import run_distributed
 
@@ -219,3 +220,19 @@ def test_torchrun_restart_forms_a_fresh_group_after_a_crash():
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("attempt 1: all_reduce -> 2, ok") == 2, proc.stdout
+
+
+def test_planned_backend_reads_each_launchers_local_size(monkeypatch):
+    # the backend init() will pick, before it runs: NCCL only when every local rank has a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for name in ("DTL_BACKEND", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # the deepspeed launcher, 2 nodes of 8
+    assert dtl_dist.local_world_size() == 8 and dtl_dist.planned_backend() == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun's name wins: 16 ranks, 8 GPUs
+    assert dtl_dist.planned_backend() == "gloo"
+    monkeypatch.setenv("DTL_BACKEND", "mpi")
+    with pytest.raises(dtl_dist.BackendError, match="DTL_BACKEND='mpi'"):
+        dtl_dist.planned_backend()
