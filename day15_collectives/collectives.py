@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtl import compat
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 
@@ -184,13 +185,14 @@ def check_tensor_forms(device, group=None):
     # the one-tensor forms FSDP and ZeRO use (no Python lists of n tensors): all_gather_single
     # (called all_gather_into_tensor until torch 2.12) concatenates along dim 0, and
     # reduce_scatter_single (reduce_scatter_tensor) reduces and keeps this rank's dim-0 slice.
+    # compat.<name> calls whichever of the two names this torch has.
     # Together, as in AR == RS + AG: (n*N,) -> RS -> (N,) -> AG -> (n*N,) = the all-reduce
     n, r = dist.get_world_size(group), dist.get_rank(group)
     x = torch.arange(n * N_ELEMS, device=device, dtype=torch.float64) + r  # (n*N,)
     shard = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
-    dist.reduce_scatter_single(shard, x, group=group)  # (n*N,) -> (N,): slice r, summed
+    compat.reduce_scatter_single(shard, x, group=group)  # (n*N,) -> (N,): slice r, summed
     full = torch.empty(n * N_ELEMS, device=device, dtype=torch.float64)
-    dist.all_gather_single(full, shard, group=group)  # (N,) -> (n*N,)
+    compat.all_gather_single(full, shard, group=group)  # (N,) -> (n*N,)
     expected = n * torch.arange(n * N_ELEMS, device=device, dtype=torch.float64) + n * (n - 1) / 2
     return x, full, expected
 
@@ -203,7 +205,11 @@ def check_async_all_reduce(device, group=None):
     before = t.clone()
     work = dist.all_reduce(t, group=group, async_op=True)  # returns before the sum is done
     local = (before * 2).sum()  # work that needs no communication, meanwhile
-    work.wait()  # from here on t holds the sum (on a GPU: the current stream waits for it)
+    # from here on t holds the sum for everything that reads it in order: on gloo the CPU waited;
+    # on NCCL only the current stream waits for it, the CPU goes on at once
+    work.wait()
+    if t.is_cuda:  # so is_completed() may still be False on NCCL: let the GPU catch up first
+        torch.cuda.current_stream().synchronize()
     assert work.is_completed() and local.item() == 2 * N_ELEMS * (r + 1)
     return before, t, torch.full_like(t, n * (n + 1) / 2)
 
@@ -216,14 +222,18 @@ def check_barrier(device, group=None):
     arrived = time.time()
     dist.barrier(group=group)
     left = time.time()
-    times = [torch.zeros(2, dtype=torch.float64) for _ in range(n)]
-    dist.all_gather(times, torch.tensor([arrived, left], dtype=torch.float64), group=group)
+    # (2,) [arrived, left] per rank -> n x (2,) on every rank; on the run's device like every
+    # tensor above (NCCL refuses a CPU tensor), read back with .item()
+    mine = torch.tensor([arrived, left], device=device, dtype=torch.float64)
+    times = [torch.zeros(2, device=device, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(times, mine, group=group)
     last_arrival = max(t[0].item() for t in times)
     first_departure = min(t[1].item() for t in times)
     gathered = all(t[0].item() > 0 for t in times)  # every rank's times arrived
-    before = torch.tensor([arrived - times[0][0].item()], dtype=torch.float64)
-    ok = torch.tensor([float(gathered and first_departure >= last_arrival)], dtype=torch.float64)
-    return before, ok, torch.ones(1, dtype=torch.float64)
+    before = torch.tensor([arrived - times[0][0].item()], device=device, dtype=torch.float64)
+    held = float(gathered and first_departure >= last_arrival)  # 1.0: the barrier held
+    ok = torch.tensor([held], device=device, dtype=torch.float64)
+    return before, ok, torch.ones(1, device=device, dtype=torch.float64)
 
 
 CHECKS = {

@@ -12,6 +12,8 @@ Ctrl-C prints the rows measured so far and writes them to the CSV.
 
 algbw = S / t; busbw = algbw * factor(n) with nccl-tests' factors (dtl.comm.BUSBW_FACTOR), S =
 the all-reduce/broadcast buffer, the all-gather output, the reduce-scatter input.
+One rank (a 1-GPU machine) runs and checks every op, but nothing crosses a link: busbw and the
+ring / built-in ratio print n/a and no alpha-beta model is fitted; the lesson needs >= 2 ranks.
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ def measure(cfg: Config, op: str, nbytes: int, device) -> dict:
         p25_us=p25 * 1e6,
         spread=p75 / p25,
         algbw=algbw,
-        busbw=algbw * case.factor,
+        # busbw = the bytes a link carries per second; one rank has no link: None, printed n/a
+        busbw=algbw * case.factor if n > 1 else None,
         wrong=wrong,
     )
 
@@ -147,7 +150,7 @@ def count_check(cfg: Config, device) -> bool:
     """Each hand-written all-reduce once at the largest size: every rank's Stats (rounds, bytes it
     sent) beside the closed forms of cost_model.ring_counts / tree_counts."""
     n, nbytes, chunk = dist.get_world_size(), cfg.sizes()[-1], cfg.chunk_kib * 1024
-    elem = torch.empty(0, dtype=DTYPES[cfg.dtype]).element_size()
+    elem = DTYPES[cfg.dtype].itemsize  # bytes per element
     numel, ok = nbytes // elem, True
     for op, name in (
         ("ring_all_reduce", "ring"),
@@ -199,12 +202,14 @@ def main() -> None:
         report.write(cfg, rows, final=False)
         dist.destroy_process_group()  # no barrier: the other ranks may be gone
         raise SystemExit(130) from None
-    counts_ok = count_check(cfg, info.device) if info.world_size > 1 else True
+    # on 1 rank too: every schedule is 0 rounds and 0 bytes there, and the formulas say so
+    counts_ok = count_check(cfg, info.device)
     cores = os.cpu_count() if info.device.type == "cpu" else None  # CPU: ranks share cores
     report.write(cfg, rows, final=True, cores=cores)
     dtl_dist.print0(
         f"summary: step and byte counts of ring/tree/dbt "
         f"{'match' if counts_ok else 'DO NOT match'} the formulas on every rank"
+        + (" (1 rank: 0 rounds and 0 bytes, trivially)" if info.world_size == 1 else "")
     )
     failed = sum(r["wrong"] for r in rows) > 0 or not counts_ok
     dtl_dist.cleanup()

@@ -119,16 +119,21 @@ def hang_drill(cfg: Config) -> None:
     flight_recorder.enable(prefix)  # before the process group: torch reads it at creation
     info = dtl_dist.init(backend="gloo", timeout=cfg.hang_timeout_s)
     dtl_config.save(cfg, cfg.out_dir)
+    dtl_dist.print0(
+        "note: the hang drill runs gloo on the CPU even on a GPU machine (gloo raises at the "
+        "timeout, so every rank can dump and report); this is not an NCCL result"
+    )
     sizes = cfg.byte_sizes()
+    device = dtl_dist.run_device()  # the CPU here (gloo); the rule holds if the drill moves
     for nbytes in sizes[:-1]:  # every rank takes part in these
-        dist.all_reduce(torch.ones(nbytes // 4))
+        dist.all_reduce(torch.ones(nbytes // 4, device=device))
     if info.rank == cfg.hang_rank:
         dtl_dist.print_rank(f"drill: skipping the all_reduce of {sizes[-1]} bytes")
         time.sleep(cfg.hang_timeout_s + 2)  # a rank busy elsewhere (a data loader, a bug)
     else:
         t0 = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(sizes[-1] // 4))
+            dist.all_reduce(torch.ones(sizes[-1] // 4, device=device))
         except RuntimeError as e:  # gloo: "Timed out waiting ... for recv operation"
             waited = time.monotonic() - t0
             why = str(e).splitlines()[0][-60:]
@@ -160,17 +165,23 @@ def main() -> None:
     if cfg.hang_rank >= 0:
         hang_drill(cfg)
     gpus = torch.cuda.device_count()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    use_nccl = dtl_dist.choose_backend(local) == "nccl"  # the kit's rule (and DTL_BACKEND)
+    try:
+        use_nccl = dtl_dist.planned_backend() == "nccl"  # the kit's rule (and DTL_BACKEND)
+    except dtl_dist.BackendError as e:
+        dtl_dist.exit_with_error(e)
+    # why gloo, said as it is: no (or too few) GPUs, or DTL_BACKEND=gloo on a GPU machine
+    local = dtl_dist.local_world_size()
+    why = (
+        "DTL_BACKEND=gloo"
+        if os.environ.get("DTL_BACKEND") == "gloo"
+        else f"NCCL needs GPUs: found {gpus} CUDA device(s) for {local} local ranks"
+    )
     os.makedirs(cfg.out_dir, exist_ok=True)
     env = nccl_env(cfg.out_dir) if use_nccl else {}
     info = dtl_dist.init(backend="nccl" if use_nccl else "gloo")
     dtl_config.save(cfg, cfg.out_dir)
     if not use_nccl:
-        dtl_dist.print0(
-            f"NCCL needs GPUs (found {gpus} CUDA device(s) for {local} local ranks): "
-            f"running the same all-reduces on gloo, which has no such log"
-        )
+        dtl_dist.print0(f"{why}: running the same all-reduces on gloo, which has no such log")
     else:
         dtl_dist.print0("NCCL debug environment: " + " ".join(f"{k}={v}" for k, v in env.items()))
     ok = run_all_reduces(cfg.byte_sizes(), info.device)
@@ -178,10 +189,20 @@ def main() -> None:
         f"all_reduce at {cfg.byte_sizes()} bytes on {info.world_size} ranks "
         f"({info.backend}): {'correct' if ok else 'WRONG'}"
     )
-    dist.barrier()
+    if use_nccl and info.world_size == 1:
+        dtl_dist.print0(
+            "note: on 1 rank NCCL runs no ring or tree (a local copy): its log has the version "
+            "and the init, but names no algorithm or protocol"
+        )
+    # every rank's pid (a collective, so every rank's log is written by now): the folder also
+    # holds the logs of earlier runs, nccl.<host>.<pid>.log, which must not enter this report
+    pids: list = [None] * info.world_size
+    dist.all_gather_object(pids, os.getpid())
     if info.is_main:
         if use_nccl:
-            paths = sorted(glob.glob(os.path.join(cfg.out_dir, "nccl.*.log")))
+            paths = sorted(
+                p for pid in pids for p in glob.glob(os.path.join(cfg.out_dir, f"nccl.*.{pid}.log"))
+            )
             source = f"this run's NCCL log ({len(paths)} files in {cfg.out_dir})"
         else:
             paths = [os.path.join(FIXTURES, cfg.fixture)]
@@ -192,7 +213,7 @@ def main() -> None:
         rep = nccl_log.parse_files(paths)
         print(f"--- report from {source}\n{nccl_log.format_report(rep)}", flush=True)
         print(
-            f"summary: forensics {'nccl' if use_nccl else 'gloo (NCCL needs GPUs)'} path on "
+            f"summary: forensics {'nccl' if use_nccl else f'gloo ({why})'} path on "
             f"{info.world_size} ranks, all_reduce {'ok' if ok else 'WRONG'}",
             flush=True,
         )

@@ -20,12 +20,18 @@ HEADER = (
 )
 MODEL_FILE = "cost_model.json"  # the fitted alpha and beta, for later days to predict with
 MODEL_ALGOS = {"ring_all_reduce": "ring", "tree_all_reduce": "tree", "dbt_all_reduce": "dbt"}
+# busbw on one rank: its factor is 0 (2(n-1)/n, (n-1)/n) or meaningless (broadcast to yourself)
+NO_LINK = "n/a (1 rank: nothing crosses a link)"
+
+
+def _bw(value: float | None, width: int) -> str:
+    return f"{value:>{width}.3f}" if value is not None else f"{'n/a':>{width}}"
 
 
 def format_row(r: dict) -> str:
     return (
         f"{r['op']:<20}{r['nbytes']:>12}{r['count']:>11}{r['dtype']:>9}{r['time_us']:>12.1f}"
-        f"{r['algbw']:>12.3f}{r['busbw']:>12.3f}{r['wrong']:>8}"
+        f"{r['algbw']:>12.3f}{_bw(r['busbw'], 12)}{r['wrong']:>8}"
         f"{r['p25_us']:>11.1f}{r['spread']:>9.2f}"
     )
 
@@ -38,6 +44,11 @@ def print_env(info) -> None:
     )
     if nccl and info.backend != "nccl":
         dtl_dist.print0("note: NCCL_ALGO / NCCL_PROTO only steer NCCL; gloo ignores them")
+    elif nccl and info.world_size == 1:
+        dtl_dist.print0(
+            "note: NCCL_ALGO / NCCL_PROTO change nothing on 1 rank: NCCL runs no ring or tree "
+            "there, only a local copy"
+        )
 
 
 def _mib(nbytes: int) -> str:
@@ -45,6 +56,8 @@ def _mib(nbytes: int) -> str:
 
 
 def busbw_table(rows: list[dict]) -> str:
+    if all(r["busbw"] is None for r in rows):
+        return f"busbw (GB/s): {NO_LINK}"
     ops = list(dict.fromkeys(r["op"] for r in rows))
     sizes = sorted({r["nbytes"] for r in rows if r["op"] == ops[0]}) if ops else []
     by = {(r["op"], r["nbytes"]): r["busbw"] for r in rows}
@@ -52,19 +65,22 @@ def busbw_table(rows: list[dict]) -> str:
     for op in ops:
         lines.append(
             f"{op:<20}"
-            + "".join(f"{by[(op, s)]:>10.3f}" if (op, s) in by else f"{'-':>10}" for s in sizes)
+            + "".join(_bw(by[(op, s)], 10) if (op, s) in by else f"{'-':>10}" for s in sizes)
         )
     return "\n".join(lines)
 
 
-def ring_ratio(rows: list[dict]) -> dict[int, float]:
-    """Hand-written ring busbw / built-in all_reduce busbw, at 16 and 64 MiB when measured."""
+def ring_ratio(rows: list[dict]) -> dict[int, float | None]:
+    """Hand-written ring busbw / built-in all_reduce busbw, at 16 and 64 MiB when measured;
+    None on 1 rank, where neither has a busbw (and the ring runs 0 rounds)."""
     by = {(r["op"], r["nbytes"]): r["busbw"] for r in rows}
-    return {
-        s: by[("ring_all_reduce", s)] / by[("all_reduce", s)]
-        for s in (16 * 2**20, 64 * 2**20)
-        if ("ring_all_reduce", s) in by and ("all_reduce", s) in by
-    }
+    out: dict[int, float | None] = {}
+    for s in (16 * 2**20, 64 * 2**20):
+        if ("ring_all_reduce", s) not in by or ("all_reduce", s) not in by:
+            continue  # not measured at this size
+        ring, built_in = by[("ring_all_reduce", s)], by[("all_reduce", s)]
+        out[s] = None if ring is None or built_in is None else ring / built_in
+    return out
 
 
 def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], dict | None]:
@@ -78,9 +94,15 @@ def model_report(rows: list[dict], cfg, cores: int | None) -> tuple[list[str], d
         for r in rows
         if r["op"] in MODEL_ALGOS and r["dtype"] == "float32"
     ]
-    if len({p["nbytes"] for p in pts}) < 2 or not pts or pts[0]["n"] < 2:
+    if pts and pts[0]["n"] < 2:
         return [
-            "cost model: needs >= 2 sizes of the hand-written all-reduces in float32 on >= 2 ranks"
+            "cost model: not fitted: on 1 rank every schedule is 0 rounds and 0 bytes, so "
+            "t = 0 * alpha + 0 / beta and the times (pure overhead) say nothing about alpha or "
+            "beta; run on >= 2 ranks"
+        ], None
+    if len({p["nbytes"] for p in pts}) < 2:
+        return [
+            "cost model: not fitted: needs >= 2 sizes of the hand-written all-reduces in float32"
         ], None
     chunk, n = cfg.chunk_kib * 1024, pts[0]["n"]
     alpha, beta = cost_model.fit(pts, 4, chunk, cores)
@@ -184,14 +206,16 @@ def plot_busbw(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    key = "busbw" if rows[0]["busbw"] is not None else "algbw"  # 1 rank: no busbw, show algbw
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op in dict.fromkeys(r["op"] for r in rows):
-        pts = [(r["nbytes"], r["busbw"]) for r in rows if r["op"] == op]
+        pts = [(r["nbytes"], r[key]) for r in rows if r["op"] == op]
         ax.plot(*zip(*pts), "o-" if op in ("all_reduce", "ring_all_reduce") else ".--", label=op)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size S (bytes)")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"busbw on {rows[0]['n']} ranks ({rows[0]['dtype']})")
+    ax.set_ylabel(f"{key} (GB/s)")
+    note = "" if key == "busbw" else f"; busbw {NO_LINK}"
+    ax.set_title(f"{key} on {rows[0]['n']} ranks ({rows[0]['dtype']}){note}", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -221,8 +245,9 @@ def write(cfg, rows: list[dict], final: bool, cores: int | None = None) -> None:
         flush=True,
     )
     for s, ratio in ring_ratio(rows).items():
+        shown = NO_LINK if ratio is None else f"{ratio:.2f}"
         print(
-            f"summary: ring_all_reduce / built-in all_reduce busbw at {_mib(s)} = {ratio:.2f}",
+            f"summary: ring_all_reduce / built-in all_reduce busbw at {_mib(s)} = {shown}",
             flush=True,
         )
     spreads = sorted((r["spread"], r["op"], r["nbytes"]) for r in rows)
@@ -244,4 +269,6 @@ def write(cfg, rows: list[dict], final: bool, cores: int | None = None) -> None:
             + ")",
             flush=True,
         )
+    elif n == 1 and any(r["op"] in MODEL_ALGOS for r in rows):
+        print("summary: cost model not fitted: 1 rank sends nothing (needs >= 2 ranks)", flush=True)
     print(f"wrote {cfg.out_dir}/bench.csv, busbw.png", flush=True)

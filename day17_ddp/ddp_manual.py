@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day17_ddp import ddp_logging
+from dtl.dist import run_device
 from dtl.flat import FlatBuffer
 
 SYNC_MODES = ("naive", "overlap", "bucket", "ddp")
@@ -181,7 +182,10 @@ class _GradSync(nn.Module):
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
         def done(fut):
-            event[1] = time.perf_counter()  # runs on gloo's worker thread when the work completes
+            # gloo: runs on its worker thread when the all-reduce is done. NCCL completes the
+            # future when the kernel is *enqueued* (the GPU runs it later), so there this stamps
+            # the launch: the GPU-side times are in the profiler trace (observe.trace_spans)
+            event[1] = time.perf_counter()
             return fut.value()
 
         return work.get_future().then(done)
@@ -254,8 +258,11 @@ class BucketDDP(_GradSync):
         self.next_bucket = 0
 
     def rebuild_buckets(self) -> None:
-        # Reducer::rebuild_buckets + sync_bucket_indices: rank 0's observed order wins everywhere
-        order = torch.tensor(self.ready_order, dtype=torch.int64)
+        # Reducer::rebuild_buckets + sync_bucket_indices: rank 0's observed order wins everywhere.
+        # (P,) int64 parameter indices, broadcast from rank 0, on the device the group's backend
+        # needs: this rank's GPU under NCCL (a CPU tensor here kills a GPU run at its first
+        # rebuild, the second step), the CPU under gloo
+        order = torch.tensor(self.ready_order, dtype=torch.int64, device=run_device(self.group))
         dist.broadcast(
             order, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group
         )

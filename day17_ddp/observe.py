@@ -7,9 +7,15 @@ Timings, the same definitions for all four sync modes (t = time.perf_counter(), 
     overlap     = (comm span - blocked) / comm span   (the share of communication hidden by compute)
 Hand-written syncs record these themselves (ddp_manual.CommStats); torch DDP's Reducer records
 the same instants with its CPU timer, read back from `_get_ddp_logging_data()`.
+On CUDA all of these are host clocks, so they time launches; the timeline below (trace_spans)
+reads the GPU's own kernel times from the profiler trace instead.
 """
 
 from __future__ import annotations
+
+import bisect
+import json
+import math
 
 from day17_ddp import ddp_logging
 from dtl import profile
@@ -80,19 +86,68 @@ def format_layout(sizes: list[int], groups: list[list[str]], limit: int = 12) ->
 
 # --- the profiler trace -> a timeline of backward compute against the all-reduces ------------
 
+EVALUATE = "autograd::engine::evaluate_function"  # one span per backward node autograd runs
+# Kineto's categories: what ran on the GPU (kernels, copies, and every record_function range
+# repeated over the kernels it queued), and the host calls (cudaLaunchKernel, cuLaunchKernel)
+# whose "correlation" id names the kernel they launched
+KERNEL_CATEGORY = "kernel"
+DEVICE_CATEGORIES = (KERNEL_CATEGORY, "gpu_user_annotation", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime")
+
+
+def gpu_side(path: str) -> tuple[list[tuple[float, float, str, float | None]], set]:
+    """A chrome trace's GPU side, on the clock of profile.parse_trace (ms, 0 = the trace's first
+    complete event): every kernel as (start, end, name, launch), launch = when the host called
+    cudaLaunchKernel for it (None when the trace has no such call); and (name, start) of every
+    event that ran on the GPU, to tell them from the host's. Both empty for a CPU-only trace."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    if not events:
+        return [], set()
+    t0 = min(e["ts"] for e in events)  # parse_trace's origin: one clock for both
+
+    def ms(ts: float) -> float:
+        return (ts - t0) / 1e3
+
+    launched, kernels, device = {}, [], set()
+    for e in events:
+        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
+        if cat in LAUNCH_CATEGORIES and "correlation" in args:
+            launched[args["correlation"]] = ms(e["ts"])
+        if cat in DEVICE_CATEGORIES:
+            device.add((e["name"], ms(e["ts"])))
+        if cat == KERNEL_CATEGORY:
+            kernels.append((e, args.get("correlation")))
+    spans = [(ms(e["ts"]), ms(e["ts"] + e["dur"]), e["name"], launched.get(c)) for e, c in kernels]
+    return spans, device
+
+
+def _inside(t: float, intervals: list[tuple[float, float]]) -> bool:
+    """Whether t falls in one of the sorted, disjoint intervals."""
+    i = bisect.bisect_right(intervals, (t, math.inf)) - 1
+    return i >= 0 and intervals[i][0] <= t <= intervals[i][1]
+
 
 def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
     """(start, end) in ms from the step's start, per lane, from a chrome trace file: the last
-    step in the trace (the first profiled step pays the profiler's start-up, so it is not drawn)."""
-    spans = profile.parse_trace(path)
+    step in the trace (the first profiled step pays the profiler's start-up, so it is not drawn).
+
+    Backward compute = the `evaluate_function` spans of the backward nodes, from *any* thread of
+    the process: autograd runs the nodes of CPU tensors on the thread that called backward(), and
+    those of CUDA tensors on its own worker thread, one per device (where DDP's hooks and their
+    all-reduce launches run too). On a CUDA trace both the backward compute and the all-reduce
+    lanes are GPU kernel times: the kernels those nodes launched, and NCCL's all-reduce kernels.
+    The host spans there only say when work was *queued*."""
+    kernels, on_gpu = gpu_side(path)
+    # host spans only: a CUDA trace repeats every record_function (train_step, backward ...) on
+    # the GPU's lanes, spanning the kernels it queued, later than the host ran it
+    spans = [s for s in profile.parse_trace(path) if (s.name, s.start_ms) not in on_gpu]
     step = max((s for s in spans if s.name == STEP_MARK), key=lambda s: s.start_ms)
     inside = [s for s in spans if step.start_ms <= s.start_ms <= step.end_ms]
     marks = {s.name: s for s in sorted(inside, key=lambda s: s.start_ms)
              if s.name in ("forward", "backward", "optimizer")}  # fmt: skip
     # (grad_accum > 1: the last forward and backward, the ones that sync)
-    main_tid = marks["backward"].tid
     t0 = step.start_ms
-    spans = inside
     lanes: dict[str, list] = {
         "forward": [],
         "backward compute": [],
@@ -103,17 +158,39 @@ def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
     for name in ("forward", "optimizer"):
         lanes[name].append((marks[name].start_ms - t0, marks[name].end_ms - t0))
     bwd = marks["backward"]
-    for s in spans:
+    host_compute = []  # when the backward nodes ran (CPU) or queued their kernels (CUDA)
+    for s in inside:
         span = (s.start_ms - t0, s.end_ms - t0)
-        if s.tid == main_tid and s.name.startswith("autograd::engine::evaluate_function"):
-            if bwd.start_ms <= s.start_ms <= bwd.end_ms:
-                lane = "grad ready" if "AccumulateGrad" in s.name else "backward compute"
-                lanes[lane].append(span)
-        elif s.kind == "all_reduce" and s.phase == "work":  # gloo:all_reduce / NCCL kernels
+        if s.name.startswith(EVALUATE) and bwd.start_ms <= s.start_ms <= bwd.end_ms:
+            # AccumulateGrad: where the grad hooks, and with them the syncs, fire
+            (lanes["grad ready"] if "AccumulateGrad" in s.name else host_compute).append(span)
+        elif s.kind == "all_reduce" and s.phase == "work":  # gloo:all_reduce / nccl:all_reduce
             lanes["all-reduce"].append(span)
-    lanes["backward compute"] = profile.merge(lanes["backward compute"])
+    host_compute = profile.merge(host_compute)
+    compute, all_reduces = _gpu_lanes(kernels, step.start_ms, host_compute)
+    if compute:  # CUDA: what the GPU ran, and when, instead of when the host queued it
+        lanes["backward compute"], lanes["all-reduce"] = compute, all_reduces
+    else:  # CPU: the nodes ran where their spans are
+        lanes["backward compute"] = host_compute
     lanes["all-reduce"].sort()
     return lanes
+
+
+def _gpu_lanes(kernels: list, t0: float, host_compute: list) -> tuple[list, list]:
+    """GPU kernels of the drawn step, in ms from its start: (backward compute kernels = those
+    launched from inside a backward node, merged; NCCL all-reduce kernels). The step is the
+    trace's last, so every kernel from its start on is its own, also those still running after
+    the host left the step mark. Both empty on a CPU trace."""
+    compute, all_reduces = [], []
+    for start, end, name, launch in kernels:
+        if start < t0:
+            continue
+        span, kind = (start - t0, end - t0), profile.comm_kind(name)[0]
+        if kind == "all_reduce":
+            all_reduces.append(span)
+        elif kind is None and launch is not None and _inside(launch - t0, host_compute):
+            compute.append(span)
+    return profile.merge(compute), all_reduces
 
 
 def trace_overlap(lanes: dict) -> tuple[float, float]:

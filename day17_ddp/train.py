@@ -178,8 +178,9 @@ def run(cfg: Config, info) -> dict:
     log.close()
     if info.device.type == "cuda":
         dtl_dist.print0(
-            "note: on CUDA the fwd/bwd/blocked/overlap columns are host-side (CPU launch) times; "
-            "read the NCCL and compute kernel lanes in traces/rank<R>.json for GPU overlap"
+            "note: on CUDA the fwd/bwd/blocked/overlap columns and the bridge's measured "
+            "all-reduce times are host-side (CPU launch) times; the timeline's backward compute "
+            "and all-reduce lanes are GPU kernels (traces/rank<R>.json): read GPU overlap there"
         )
     names = _param_names(gpt)
     name, big = max(gpt.named_parameters(), key=lambda kv: kv[1].numel())
@@ -249,7 +250,8 @@ def report(cfg: Config, info, result: dict) -> None:
         dtl_dist.print0(line)
     traced = ""
     if info.is_main and cfg.profiled_steps():
-        traced = f", {timeline(cfg, sizes):.0%} of all-reduce busy time under compute (trace)"
+        hidden = timeline(cfg, sizes, info.device)
+        traced = f", {hidden:.0%} of all-reduce busy time under compute (trace)"
     dtl_dist.print0(
         f"summary: day17 sync={cfg.sync} model={cfg.model} ranks={n}: replicas identical "
         f"{'yes' if result['gap'] == 0 else 'NO'} (max diff {result['gap']:.1e}); step "
@@ -278,7 +280,7 @@ def bridge_lines(cfg: Config, info, result: dict, sizes: list[int], med: StepTim
     ]
 
 
-def timeline(cfg: Config, sizes: list[int]) -> float:
+def timeline(cfg: Config, sizes: list[int], device) -> float:
     lanes = observe.trace_spans(trace_path(cfg, 0))
     busy, hidden = observe.trace_overlap(lanes)
     path = os.path.join(cfg.out_dir, "timeline.png")
@@ -286,6 +288,7 @@ def timeline(cfg: Config, sizes: list[int]) -> float:
     title = (
         f"day 17, sync={cfg.sync}, step {step}: all-reduce busy {busy:.0f} ms, "
         f"{hidden:.0%} of it during backward compute"
+        + (" (GPU kernels)" if device.type == "cuda" else "")
     )
     observe.plot_timeline(lanes, title, path, sizes)
     print(f"trace: {title} -> {path}", flush=True)

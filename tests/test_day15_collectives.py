@@ -52,8 +52,8 @@ def _every_check_with_collectives_that_do_nothing():
             return True
 
     noop = lambda *args, **kwargs: Done()  # noqa: E731
-    saved = {name: getattr(dist, name) for name in NOOPS}
-    for name in NOOPS:
+    saved = {name: getattr(dist, name) for name in NOOPS if hasattr(dist, name)}
+    for name in saved:
         setattr(dist, name, (lambda ops: []) if name == "batch_isend_irecv" else noop)
     try:
         # outputs that a no-op leaves untouched must not happen to hold the answer: zero them
@@ -81,8 +81,10 @@ NOOPS = (
     "reduce",
     "gather",
     "scatter",
-    "reduce_scatter_single",
+    "reduce_scatter_single",  # torch >= 2.13 (dtl.compat calls whichever exists)
     "all_gather_single",
+    "reduce_scatter_tensor",  # every torch
+    "all_gather_into_tensor",
     "barrier",
 )
 

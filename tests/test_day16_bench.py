@@ -284,3 +284,26 @@ def test_times_that_do_not_grow_with_size_fit_beta_inf_and_say_why(tmp_path, cap
     run = next(r for x in registry.load() if x.day == 16 for r in x.runs if r.name == "bench")
     pattern = next(p for p in run.expect if "cost model" in p)
     assert re.search(pattern, out, re.M), "the launch line's expect must accept beta = inf"
+
+
+def test_one_rank_prints_busbw_and_the_ring_ratio_as_na_and_fits_no_model(tmp_path, capsys):
+    # world size 1 (a 1-GPU machine): busbw has factor 0 (2(n-1)/n), the ring/built-in ratio was
+    # 0/0 (ZeroDivisionError) and the model has no rounds to fit; all three say so instead
+    cfg = dtl_config.load(bench.Config, [f"--out_dir={tmp_path}"])
+    rows = [
+        dict(op=op, nbytes=s, count=s // 4, dtype="float32", n=1, time_us=50.0, min_us=45.0,
+             p25_us=48.0, spread=1.1, algbw=s / 50e-6 / 1e9, busbw=None, wrong=0)
+        for op in ("ring_all_reduce", "tree_all_reduce", "all_reduce")
+        for s in (16 * 2**20, 64 * 2**20)
+    ]  # fmt: skip
+    assert report.ring_ratio(rows) == {16 * 2**20: None, 64 * 2**20: None}
+    assert report.busbw_table(rows) == f"busbw (GB/s): {report.NO_LINK}"
+    assert report.format_row(rows[0]).split()[6] == "n/a"
+    lines, model = report.model_report(rows, cfg, cores=2)
+    assert model is None and lines[0].startswith("cost model: not fitted: on 1 rank")
+    report.write(cfg, rows, final=True, cores=2)
+    out = capsys.readouterr().out
+    assert "summary: bench 6 rows on 1 ranks, 0 wrong elements" in out
+    assert f"all_reduce busbw at 64 MiB = {report.NO_LINK}" in out
+    assert "summary: cost model not fitted" in out and "cost model alpha" not in out
+    assert (tmp_path / "bench.csv").is_file() and (tmp_path / "busbw.png").is_file()

@@ -432,3 +432,79 @@ def test_hand_written_syncs_exit_cleanly_in_20_plain_scripts(sync):
         )
         aborts += proc.returncode != 0 or "terminate called" in proc.stderr
     assert aborts == 0, f"{sync}: {aborts}/20 runs aborted at exit"
+
+
+def _x(name, ts, dur, tid, pid=1, cat="cpu_op", **args):
+    """One complete ("X") chrome-trace event, times in microseconds."""
+    return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=tid, cat=cat, args=args)
+
+
+def _synthetic_step(tmp_path, events) -> str:
+    """A one-step trace: marks on the main thread (tid 1) around whatever `events` add."""
+    marks = [
+        _x(observe.STEP_MARK, 1000, 9000, tid=1, cat="user_annotation"),
+        _x("forward", 1000, 2000, tid=1, cat="user_annotation"),
+        _x("backward", 3000, 5000, tid=1, cat="user_annotation"),
+        _x("optimizer", 8000, 1000, tid=1, cat="user_annotation"),
+    ]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": marks + events}))
+    return str(path)
+
+
+def test_timeline_takes_backward_compute_from_autograds_device_thread(tmp_path):
+    # CUDA tensors: autograd runs the backward nodes (and the grad hooks) on its worker thread
+    # for the device, tid 2 here, not on the thread that called backward() (tid 1)
+    ev = "autograd::engine::evaluate_function: "
+    path = _synthetic_step(tmp_path, [
+        _x(ev + "MmBackward0", 3100, 1400, tid=2),
+        _x(ev + "AccumulateGrad", 4500, 100, tid=2),
+        _x(ev + "AddBackward0", 4600, 2400, tid=2),
+        _x("gloo:all_reduce", 5000, 1000, tid=3),  # hidden under AddBackward0
+        _x("gloo:all_reduce", 7500, 500, tid=3),  # after the last node: exposed
+    ])  # fmt: skip
+    lanes = observe.trace_spans(path)
+    # ms from the step's start (1000 us): the two compute nodes, the grad hook between them
+    assert lanes["backward compute"] == [(pytest.approx(2.1), pytest.approx(3.5)),
+                                         (pytest.approx(3.6), pytest.approx(6.0))]  # fmt: skip
+    assert lanes["grad ready"] == [(pytest.approx(3.5), pytest.approx(3.6))]
+    busy, hidden = observe.trace_overlap(lanes)
+    assert busy == pytest.approx(1.5) and hidden == pytest.approx(1.0 / 1.5)
+
+
+def test_cuda_timeline_reads_backward_compute_and_all_reduces_from_the_gpu_kernels(tmp_path):
+    # the host queues kernels (cudaLaunchKernel, correlation id k) long before the GPU runs them;
+    # a kernel counts as backward compute when it was queued from inside a backward node
+    ev = "autograd::engine::evaluate_function: "
+    gpu = dict(pid=0, tid=7, cat="kernel")
+    path = _synthetic_step(tmp_path, [
+        _x(ev + "MmBackward0", 3100, 300, tid=2),
+        _x("cudaLaunchKernel", 3200, 10, tid=2, cat="cuda_runtime", correlation=1),
+        _x(ev + "AccumulateGrad", 3400, 100, tid=2),  # the hook queues the all-reduce
+        _x("cudaLaunchKernel", 3450, 10, tid=2, cat="cuda_runtime", correlation=2),
+        _x(ev + "AddBackward0", 3500, 300, tid=2),
+        _x("cudaLaunchKernel", 3600, 10, tid=2, cat="cuda_runtime", correlation=3),
+        _x("nccl:all_reduce", 3450, 20, tid=2),  # the host-side launch: not GPU time
+        _x("cudaLaunchKernel", 3900, 10, tid=2, cat="cuda_runtime", correlation=4),  # grad copy
+        _x("ampere_sgemm_128x64_nn", 3300, 2000, correlation=1, **gpu),
+        _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 4000, 3000, pid=0, tid=20,
+           cat="kernel", correlation=2),
+        _x("vectorized_elementwise_kernel", 5300, 1200, correlation=3, **gpu),
+        _x("vectorized_elementwise_kernel", 7000, 100, correlation=4, **gpu),  # after the sync
+        # the record_function ranges again, on the GPU's lane, over the kernels they queued
+        _x(observe.STEP_MARK, 3300, 7800, pid=0, tid=7, cat="gpu_user_annotation"),
+        _x("backward", 3300, 3800, pid=0, tid=7, cat="gpu_user_annotation"),
+    ])  # fmt: skip
+    lanes = observe.trace_spans(path)
+    assert lanes["backward compute"] == [(pytest.approx(2.3), pytest.approx(5.5))]
+    assert lanes["all-reduce"] == [(pytest.approx(3.0), pytest.approx(6.0))]  # the kernel only
+    busy, hidden = observe.trace_overlap(lanes)
+    assert busy == pytest.approx(3.0) and hidden == pytest.approx(2.5 / 3.0)
+
+
+def test_beyond_on_one_rank_says_skipped_and_exits_0(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "day17_ddp.beyond", f"--out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(ln.startswith("skipped: needs 2 ranks") for ln in proc.stdout.splitlines())
