@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from day18_zero import engines
-from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from day18_zero.ds_engine import (
+    DsConfigError,
+    default_ds_config_path,
+    load_ds_config,
+    planned_device_type,
+)
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
@@ -59,11 +64,12 @@ class Config:
             raise err(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         if "zero2" in self.pair_list:
             try:
-                self.ds = self.ds_config(2)
+                self.ds = self.ds_config(2, planned_device_type())
             except DsConfigError as e:
                 raise err(str(e)) from None
 
-    def ds_config(self, stage: int) -> dict:
+    def ds_config(self, stage: int, device_type: str) -> dict:
+        """The stage's shipped ds_config for a run on `device_type` (its DeepSpeed device)."""
         return load_ds_config(
             default_ds_config_path(stage),
             stage=stage,
@@ -72,7 +78,7 @@ class Config:
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             opt=engines.OptimConfig(),
             dtype=self.dtype,
-            device_type="cuda" if torch.cuda.is_available() else "cpu",
+            device_type=device_type,
         )
 
 

@@ -12,6 +12,14 @@ top-level key is one DeepSpeed reads (it silently ignores the others: "zero_opti
 train without ZeRO); `zero_optimization`, `bf16`, `fp16` validate against DeepSpeed's own
 pydantic models; `optimizer` has known keys (DeepSpeed never checks them: a misspelled "parmas"
 trains at the default learning rate); the batch identity holds; no fp16 on a CPU.
+
+DeepSpeed's device is the run's: DeepSpeed picks its "accelerator" once, when it is first
+imported (CUDA whenever a GPU is visible), and binds its op builders (FusedAdam, cpu_adam) to it
+then. A gloo run on a GPU machine (DTL_BACKEND=gloo, or more ranks than GPUs) keeps every tensor
+on the CPU; with the CUDA accelerator DeepSpeed would put its partitions and buffers on
+cuda:<local rank> beside them. `use_run_accelerator` sets DS_ACCELERATOR to the run's device
+type before the first import (days 18, 23 and 28 call it), and refuses, in one line, a
+DeepSpeed already imported with the other one.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 from contextlib import nullcontext
 from functools import lru_cache
 
+import torch.distributed as dist
+
 from day18_zero.engines import OptimConfig, Trainer, nbytes, optimizer_state_bytes
+from dtl import dist as dtl_dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSTALL_HINT = "pip install -e '.[deepspeed]' (the project's deepspeed extra)"
@@ -36,6 +48,42 @@ class DsConfigError(ValueError):
 
 def default_ds_config_path(stage: int) -> str:
     return os.path.join(HERE, f"ds_config_zero{stage}.json")
+
+
+def planned_device_type() -> str:
+    """The device type ("cuda" or "cpu") this run computes on, known before dtl.dist.init()
+    runs (a ds_config is checked, and DeepSpeed's accelerator chosen, before any group exists).
+    With a process group, its backend's device; before, the rule init() will apply: NCCL, hence
+    CUDA, only when every local rank has a GPU of its own; DTL_BACKEND overrides."""
+    if dist.is_initialized():
+        return dtl_dist.run_device().type
+    try:
+        backend = dtl_dist.planned_backend()
+    except dtl_dist.BackendError as e:
+        raise DsConfigError(str(e)) from None
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def _chosen_accelerator() -> str | None:
+    """The device name of the accelerator DeepSpeed has chosen already, None if not imported."""
+    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    chosen = getattr(real, "ds_accelerator", None)
+    return None if chosen is None else chosen.device_name()
+
+
+def use_run_accelerator(device_type: str) -> None:
+    """Make DeepSpeed's accelerator the run's device type ("cuda" or "cpu"; a torch.device's
+    .type): DS_ACCELERATOR, which DeepSpeed reads once, when it is first imported. Called before
+    anything imports DeepSpeed; afterwards it only checks: a DeepSpeed imported already with the
+    other accelerator is a one-line DsConfigError (its op builders cannot be re-bound)."""
+    want = "cuda" if device_type == "cuda" else "cpu"
+    chosen = _chosen_accelerator()
+    if chosen is not None and chosen != want:
+        raise DsConfigError(
+            f"DeepSpeed was imported with its {chosen} accelerator but this run's device is "
+            f"{want}: set DS_ACCELERATOR={want} (or call use_run_accelerator) before the import"
+        )
+    os.environ["DS_ACCELERATOR"] = want  # also what DeepSpeed's own subprocesses inherit
 
 
 def require_deepspeed() -> None:
@@ -145,8 +193,10 @@ def load_ds_config(
     dtype: str,
     device_type: str,
 ) -> dict:
-    """Read, check and complete a ds_config for this run; raises DsConfigError (one line)."""
+    """Read, check and complete a ds_config for a run on `device_type`; raises DsConfigError
+    (one line). DeepSpeed's accelerator is set to `device_type` before DeepSpeed is imported."""
     require_deepspeed()
+    use_run_accelerator(device_type)
     if not os.path.isfile(path):
         raise DsConfigError(f"ds_config file not found: {path}")
     try:
@@ -196,11 +246,12 @@ class DeepSpeedZero(Trainer):
         return "fp32" if self.stage == 0 else "fp32+master"
 
     def __init__(self, gpt, stage, group, opt, no_sync, ds_config: dict):
-        import deepspeed
-
         super().__init__(gpt, stage, group, opt, no_sync)
         if group is not None:
             raise ValueError("the DeepSpeed path trains over the whole world (no sub-group)")
+        use_run_accelerator(next(gpt.parameters()).device.type)  # the model is on the run's
+        import deepspeed
+
         self.ds_config = ds_config
         self.engine, *_ = deepspeed.initialize(
             model=gpt, config=ds_config, dist_init_required=False

@@ -9,8 +9,9 @@ GPUs (NCCL, one process per GPU):
     torchrun --standalone --nproc_per_node=gpu -m day18_zero.train --stage=3 \
         --config day18_zero/gpu.toml
 
-Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it),
-DS_ACCELERATOR=cpu on a machine without CUDA (DeepSpeed would guess it anyway, with a warning).
+Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it).
+DS_ACCELERATOR is set from the run's device (ds_engine.use_run_accelerator): cpu for a gloo run,
+on a GPU machine too, cuda under NCCL.
 
 Each step prints the loss of the global batch, this rank's bytes of parameters / gradients /
 optimizer state (counted from the live tensors just before the optimizer step) and the bytes
@@ -29,7 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from day18_zero import engines, formulas
-from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from day18_zero.ds_engine import (
+    DsConfigError,
+    default_ds_config_path,
+    load_ds_config,
+    planned_device_type,
+)
 from day18_zero.zero import STAGES as HAND_ZERO_STAGES
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -75,8 +81,15 @@ class Config:
             raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if self.dtype not in DTYPES:
             raise err(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
-        if self.dtype == "fp16" and not torch.cuda.is_available():
-            raise err("dtype fp16 needs a GPU (DeepSpeed refuses fp16 on a CPU); use bf16")
+        try:
+            self.device_type = planned_device_type()  # the device init() will give this run
+        except DsConfigError as e:
+            raise err(str(e)) from None
+        if self.dtype == "fp16" and self.device_type != "cuda":
+            raise err(
+                "dtype fp16 needs a GPU (DeepSpeed refuses fp16 on a CPU, and this run's device "
+                "is the CPU); use bf16"
+            )
         if self.dtype != "fp32" and (
             self.impl == "torch" or (self.impl == "hand" and self.stage not in HAND_ZERO_STAGES)
         ):
@@ -100,7 +113,7 @@ class Config:
                 world_size=int(os.environ.get("WORLD_SIZE", "1")),  # torchrun's, before init
                 opt=self.optim(),
                 dtype=self.dtype,
-                device_type="cuda" if torch.cuda.is_available() else "cpu",
+                device_type=self.device_type,  # DeepSpeed's accelerator: the run's device
             )
         except DsConfigError as e:
             raise dtl_config.ConfigError(str(e)) from None
@@ -165,6 +178,8 @@ def run(cfg: Config, info) -> dict:
         before = dict(counter.ring_bytes)
         t0 = time.perf_counter()
         local = trainer.step(batches)
+        if info.device.type == "cuda":  # the step's kernels, not only their launch
+            torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         comms.append(comm_of_step(counter, before))
         # after the snapshot: not part of the step's traffic

@@ -62,8 +62,8 @@ def table_row(cfg: Config, t: int, world: int, device) -> dict:
     gpt = apply_tp(GPT(mcfg, seed=0), grid, pad_vocab=True).to(device)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
     s, b, h, a = cfg.seq_len, cfg.batch_size, mcfg.n_embd, mcfg.n_head
-    x = torch.randint(0, mcfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
-    x = x.to(device)
+    g = torch.Generator().manual_seed(0)  # a CPU generator: the same tokens on any device
+    x = torch.randint(0, mcfg.vocab_size, (b, s + 1), generator=g).to(device)
     hidden = torch.randn(b, s, h, device=device, requires_grad=True)
     act, _ = saved_activation_bytes(gpt.blocks["0"], hidden)
     times = []
@@ -157,7 +157,9 @@ def run_ratio(cfg: Config, info) -> dict:
     times = {"ours": [], "megatron": []}
     try:
         with dm.cpu_shim():
-            theirs = _megatron_layer(grid, mcfg)
+            # use_cpu_initialization builds megatron's weights on the CPU: move them to the
+            # run's device, as ours are (megatron-LM's get_model calls .cuda() for the same)
+            theirs = _megatron_layer(grid, mcfg).to(device)
 
             def step_ours():
                 ours(x_ours).sum().backward()

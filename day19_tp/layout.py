@@ -29,8 +29,9 @@ PANELS = [
 def owner_map(weight_shape, module_name: str, tp: int) -> torch.Tensor:
     """(out, in) tensor: the TP rank that holds each element of the module's weight."""
     shard = tp_shard_of(module_name)
-    index = torch.arange(weight_shape[0] * weight_shape[1]).view(weight_shape).float()
-    owner = torch.full(weight_shape, -1.0)
+    n = weight_shape[0] * weight_shape[1]
+    index = torch.arange(n).view(weight_shape).float()  # host: a table for the picture only
+    owner = torch.full(weight_shape, -1.0)  # host: the same, never in a collective
     for rank in range(tp):
         mine = shard_tensor(index, shard, False, rank, tp).long().flatten()
         owner.view(-1)[mine] = rank

@@ -61,17 +61,22 @@ class ColumnParallelLinear(nn.Module):
 
     (…, in) replicated -> f -> (…, out/t) this rank's columns, or (…, out) if gather_output.
     `out_features` is the local width (what the code after it sees), as in nn.Linear.
+    `device`, `dtype`: where and how the shard is allocated (nn.Linear's factory arguments).
     """
 
-    def __init__(self, in_features, out_features, group, bias=True, gather_output=False):
+    def __init__(
+        self, in_features, out_features, group, bias=True, gather_output=False, *,
+        device=None, dtype=None,
+    ):  # fmt: skip
         super().__init__()
+        like = dict(device=device, dtype=dtype)
         t, _ = _tp(group)
         if out_features % t:
             raise TPError(f"output features {out_features} do not split over tp {t}")
         self.group, self.gather_output = group, gather_output
         self.in_features, self.out_features = in_features, out_features // t
-        self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features // t, in_features, **like))
+        self.bias = nn.Parameter(torch.zeros(out_features // t, **like)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)  # f: identity here, all-reduce of dL/dx in backward
@@ -86,15 +91,19 @@ class RowParallelLinear(nn.Module):
     (…, in/t) this rank's slice (or (…, in), scattered first) -> (…, out) partial -> g -> (…, out)
     """
 
-    def __init__(self, in_features, out_features, group, bias=True, input_is_parallel=True):
+    def __init__(
+        self, in_features, out_features, group, bias=True, input_is_parallel=True, *,
+        device=None, dtype=None,
+    ):  # fmt: skip
         super().__init__()
+        like = dict(device=device, dtype=dtype)
         t, _ = _tp(group)
         if in_features % t:
             raise TPError(f"input features {in_features} do not split over tp {t}")
         self.group, self.input_is_parallel = group, input_is_parallel
         self.in_features, self.out_features = in_features // t, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // t, **like))
+        self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -111,7 +120,7 @@ class VocabParallelEmbedding(nn.Module):
     token's row, which exactly one rank contributed.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, group):
+    def __init__(self, num_embeddings, embedding_dim, group, *, device=None, dtype=None):
         super().__init__()
         t, r = _tp(group)
         if num_embeddings % t:
@@ -119,7 +128,9 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.per_rank = num_embeddings // t
         self.lo, self.hi = r * self.per_rank, (r + 1) * self.per_rank
-        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim))
+        self.weight = nn.Parameter(
+            torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
@@ -228,15 +239,12 @@ def apply_tp(model: GPT, grid, *, pad_vocab: bool = False) -> GPT:
         shard = tp_shard_of(name)
         if shard is None or name in ("wte", "lm_head"):
             continue
-        if shard.style == "column":
-            new = ColumnParallelLinear(
-                module.in_features, module.out_features, group, bias=module.bias is not None
-            )
-        else:
-            new = RowParallelLinear(
-                module.in_features, module.out_features, group, bias=module.bias is not None
-            )
-        new = new.to(device=module.weight.device, dtype=module.weight.dtype)
+        # the shard where the dense weight is (the run's device if the model was moved first)
+        like = dict(device=module.weight.device, dtype=module.weight.dtype)
+        layer = ColumnParallelLinear if shard.style == "column" else RowParallelLinear
+        new = layer(
+            module.in_features, module.out_features, group, bias=module.bias is not None, **like
+        )
         new.weight.copy_(shard_tensor(module.weight, shard, False, r, t))
         if module.bias is not None:
             new.bias.copy_(shard_tensor(module.bias, shard, True, r, t))
@@ -252,7 +260,7 @@ def _apply_vocab_parallel(model: GPT, group, r: int, t: int, padded: int) -> Non
     like = dict(device=model.wte.weight.device, dtype=model.wte.weight.dtype)
     full = torch.zeros(padded, cfg.n_embd, **like)  # padding rows are zeros and stay zeros
     full[: cfg.vocab_size] = model.wte.weight
-    wte = VocabParallelEmbedding(padded, cfg.n_embd, group).to(**like)
+    wte = VocabParallelEmbedding(padded, cfg.n_embd, group, **like)
     wte.weight.copy_(full[wte.lo : wte.hi])
     if cfg.tie_weights:
         head_weight = wte.weight  # one Parameter: the tie survives, rank by rank

@@ -105,6 +105,8 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if info.device.type == "cuda":  # the step's kernels, not only their launch
+            torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=grid.dp_group)

@@ -85,13 +85,13 @@ class FixedCostStage(nn.Module):
     the 'logits' (vocabulary C) on the last stage. On the first stage, whose input gradient
     nobody needs, I is empty and W costs 2t (the runtime's rule, as for the GPT's stage 0)."""
 
-    def __init__(self, width: int, t: float, first: bool):
+    def __init__(self, width: int, t: float, first: bool, device=None):
         super().__init__()
         self.first, self.width, self.t = first, width, t
-        self.w = nn.Parameter(torch.zeros(width))
+        self.w = nn.Parameter(torch.zeros(width, device=device))
         # the first stage's input is an "embedding" weight: its input-gradient path ends at a
         # parameter, so the runtime's W (not its I: nobody waits for it) walks it, as on a GPT
-        self.h0 = nn.Parameter(torch.zeros(width)) if first else None
+        self.h0 = nn.Parameter(torch.zeros(width, device=device)) if first else None
 
     def forward(self, x):
         if self.first:
@@ -107,7 +107,7 @@ def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
     width = 8
     gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
     stages = [
-        FixedCostStage(width, cfg.t_f_ms / 1e3, first=(c * p + grid.pp_rank == 0)).to(device)
+        FixedCostStage(width, cfg.t_f_ms / 1e3, first=(c * p + grid.pp_rank == 0), device=device)
         for c in range(v)
     ]
     runner = PipelineRunner(stages, grid, gcfg, (1, 4))
@@ -151,7 +151,7 @@ def run_small(cfg: Config, info) -> list[dict]:
     grid = ParallelGrid(pp=2, dp=info.world_size // 2)
     g = torch.Generator().manual_seed(0)
     rows_in = cfg.micro_batch_size
-    tokens = torch.randint(
+    tokens = torch.randint(  # host: one CPU generator, the same tokens on any device; moved below
         0, mcfg.vocab_size, (rows_in * cfg.microbatches, cfg.seq_len + 1), generator=g
     )
     batches = [

@@ -17,12 +17,19 @@ Per action, on this rank:
     I, W      B split: I computes only dL/d(input) (torch.autograd.grad, graph kept) and sends
               it; W then computes the weight gradients (torch.autograd.backward(inputs=weights))
 Sends are isend (waited at the end of the step); a receive waits until its data is there, so a
-valid schedule (checked by schedules.simulate) cannot deadlock. Activations and gradients travel
-on two process groups of the same ranks: NCCL queues every p2p operation between two ranks of a
-group on one stream, where a send can block until the peer's matching receive runs; one group per
-direction keeps each queue one-way and in the same order on both ends (schedules.message_orders,
-tested), since NCCL ignores tags. Gloo matches by tag: (micro-batch, receiving stage, direction).
-Every buffer's shape comes from the config: no handshake.
+valid schedule (checked by schedules.simulate) cannot deadlock on gloo. NCCL adds a rule: it
+queues every p2p operation between two ranks of a group on one stream, in posting order, and a
+large send waits there until the peer's matching receive runs, holding up everything behind it.
+So messages travel on two process groups of the same ranks, one per direction ("lanes":
+toward a higher pipeline rank, toward a lower one, schedules.p2p_lane): each stream carries
+one-way traffic, in the same order on both ends (schedules.message_orders), and
+schedules.play_p2p replays every schedule's posts under those rules. One group per
+message kind would not do: interleaved at pp = 2 sends activations both ways between the same two
+ranks, and each rank's receive would sit behind its own send, which waits for that receive on
+the other rank (a hang once messages outgrow NCCL's buffers). NCCL ignores tags; gloo matches by
+tag: (micro-batch, receiving stage, direction). Every buffer's shape comes from the config: no
+handshake. On a GPU each action's span ends when its kernels have run (the host synchronizes),
+so the timeline's spans and idle time are the device's, not the launches'.
 After the last action, the tied embedding's two copies (wte on the first stage, lm_head on the
 last) get their gradients summed over the embedding group, as Megatron does.
 """
@@ -36,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from day20_pp.schedules import Action
+from day20_pp.schedules import Action, p2p_lane
 from dtl.model import GPT, GPTConfig, loss_fn
 
 
@@ -90,9 +97,10 @@ class PipelineRunner:
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
         self.n_stages = self.p * self.v
         self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
-        self.device = next(p for s in stages for p in s.parameters()).device  # recv buffers
+        first = next(p for s in stages for p in s.parameters())
+        self.device, self.dtype = first.device, first.dtype  # recv buffers: as the stages
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
-        self.act_group, self.grad_group = _direction_groups(grid)
+        self.lane_groups = _lane_groups(grid)  # "up" / "down": one process group per direction
 
     # --- where things live --------------------------------------------------------------------
 
@@ -102,12 +110,16 @@ class PipelineRunner:
     def _rank_of(self, stage: int) -> int:
         return self.pp_ranks[stage % self.p]
 
+    def _lane(self, src_stage: int, dst_stage: int):
+        """The process group of a message between two stages' ranks (by their pipeline index)."""
+        return self.lane_groups[p2p_lane(src_stage % self.p, dst_stage % self.p)]
+
     def _tag(self, mb: int, stage: int, backward: bool) -> int:
         return (mb * self.n_stages + stage) * 2 + int(backward)
 
     def _hidden(self) -> torch.Tensor:
         b, t = self.micro_shape
-        return torch.empty(b, t, self.cfg.n_embd, device=self.device)
+        return torch.empty(b, t, self.cfg.n_embd, device=self.device, dtype=self.dtype)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -127,12 +139,13 @@ class PipelineRunner:
             t0 = time.perf_counter()
             getattr(self, f"_{a.kind}")(a.mb, a.chunk)
             # the span is the work, not the wait for the neighbour: that wait is the bubble
-            rec.spans.append((self._t_ready or t0, time.perf_counter(), a))
+            rec.spans.append((self._t_ready or t0, _done(self.device), a))
             alive += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
             rec.peak_in_flight = max(rec.peak_in_flight, alive)
         for work in self.sends:  # every isend must complete before its buffer is reused
             work.wait()
         self._sum_tied_embedding_grads()
+        _done(self.device)  # the step's host time includes its GPU work (callers time it)
         last = self._stage(self.v - 1) == self.n_stages - 1
         return (self.loss if last else None), rec
 
@@ -143,8 +156,8 @@ class PipelineRunner:
         else:  # (B_mb, T, C) activations from the previous stage
             x = self._hidden()
             src, tag = self._rank_of(stage - 1), self._tag(mb, stage, False)
-            dist.irecv(x, src=src, group=self.act_group, tag=tag).wait()
-            self._t_ready = _arrived(x)
+            dist.irecv(x, src=src, group=self._lane(stage - 1, stage), tag=tag).wait()
+            self._t_ready = _done(x.device)
             x.requires_grad_()
         out = model(x)
         self.inputs[(mb, chunk)] = x
@@ -156,7 +169,7 @@ class PipelineRunner:
                 dist.isend(
                     out.detach().contiguous(),
                     dst=self._rank_of(stage + 1),
-                    group=self.act_group,
+                    group=self._lane(stage, stage + 1),
                     tag=self._tag(mb, stage + 1, False),
                 )
             )
@@ -168,8 +181,8 @@ class PipelineRunner:
             return None  # the loss: backward starts here
         g = self._hidden()
         src, tag = self._rank_of(stage + 1), self._tag(mb, stage, True)
-        dist.irecv(g, src=src, group=self.grad_group, tag=tag).wait()
-        self._t_ready = _arrived(g)
+        dist.irecv(g, src=src, group=self._lane(stage + 1, stage), tag=tag).wait()
+        self._t_ready = _done(g.device)
         return g
 
     def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
@@ -179,7 +192,7 @@ class PipelineRunner:
                 dist.isend(
                     grad.contiguous(),
                     dst=self._rank_of(stage - 1),
-                    group=self.grad_group,
+                    group=self._lane(stage, stage - 1),
                     tag=self._tag(mb, stage - 1, True),
                 )
             )
@@ -284,20 +297,22 @@ def apply_pp(
     return Pipeline(stages, grid, cfg, schedule, microbatches, micro_shape, loss)
 
 
-def _arrived(buf: torch.Tensor) -> float:
-    """The host time the received data is usable. On NCCL, wait() only orders the GPU stream:
-    synchronize, so the timeline's idle time is real."""
-    if buf.is_cuda:
-        torch.cuda.current_stream(buf.device).synchronize()
+def _done(device: torch.device) -> float:
+    """The host time the work queued so far on `device` is done: a received buffer usable, an
+    action's kernels run. On NCCL, wait() only orders the GPU stream and kernels run after the
+    host queued them: synchronize, so the timeline's spans and idle time are real."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
 
 
-def _direction_groups(grid):
-    """Two process groups over this rank's pipeline: activations and gradients. Creating a group
-    is collective, so every rank creates the pair for every pipeline, in the same order."""
+def _lane_groups(grid) -> dict:
+    """Two process groups over this rank's pipeline: messages toward a higher pipeline rank
+    ("up") and toward a lower one ("down"). Creating a group is collective, so every rank
+    creates the pair for every pipeline, in the same order."""
     mine = None
     for ranks in grid.group_ranks("pp"):
-        pair = (dist.new_group(ranks), dist.new_group(ranks))
+        pair = {"up": dist.new_group(ranks), "down": dist.new_group(ranks)}
         if grid.rank in ranks:
             mine = pair
     return mine

@@ -75,7 +75,8 @@ class Config:
 
 def _qkv(cfg: Config, rank: int, cp: int, split: str):
     g = torch.Generator().manual_seed(0)
-    full = [torch.randn(1, cfg.heads, cfg.seq_len, cfg.head_dim, generator=g) for _ in range(3)]
+    shape = (1, cfg.heads, cfg.seq_len, cfg.head_dim)
+    full = [torch.randn(shape, generator=g) for _ in range(3)]  # host: this bench is CPU-only
     return [cp_shard(t, rank, cp, split, dim=2).requires_grad_() for t in full]
 
 
@@ -105,6 +106,7 @@ def measure_split(cfg: Config, grid: ParallelGrid, split: str) -> list[dict]:
             stats.compute_s / cfg.reps,
         ],
         dtype=torch.float64,
+        device=dtl_dist.run_device(grid.cp_group),  # it enters a collective
     )
     rows = [torch.empty_like(mine) for _ in range(grid.cp_size)]
     dist.all_gather(rows, mine, group=grid.cp_group)
@@ -244,7 +246,8 @@ def _layer_bytes(layout: str, s: int, grid_tp, grid_cp, b: int = 1) -> int:
     if layout in ("ring", "ulysses"):
         apply_cp(gpt, grid_cp, "ring_zigzag" if layout == "ring" else "ulysses")
         tokens = s // grid_cp.cp_size
-    x = torch.randn(b, tokens, cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, tokens, cfg.n_embd, generator=g)  # host: this bench is CPU-only (gloo)
     got, _ = saved_activation_bytes(gpt.blocks["0"], x.requires_grad_())
     return got
 
@@ -315,6 +318,11 @@ def _plot_memory(cfg, seqs, table) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     info = dtl_dist.init(backend="gloo")  # counts work and bytes: CPU tensors, on any machine
+    if torch.cuda.is_available():  # a GPU machine: say that this PASS is no GPU result
+        dtl_dist.print0(
+            "note: gloo on the CPU (forced: this bench counts CPU thread time, gloo's send/recv "
+            "spans and CPU activation bytes); this PASS is not a GPU result"
+        )
     dtl_config.save(cfg, cfg.out_dir, argv)
     line = part_ring(cfg, info) if cfg.part == "ring" else part_memory(cfg, info)
     dtl_dist.print0(line)

@@ -155,19 +155,27 @@ class RingStats:
 
 
 class _Clock:
-    """Times a region into a RingStats (or does nothing without one)."""
+    """Times a region into a RingStats (or does nothing without one). On a GPU the host runs
+    ahead of the kernels, so a timed region (stats given) synchronizes at both ends: the time is
+    the device's work (or wait), not its launch. Without stats nothing is synchronized."""
 
-    def __init__(self, stats: RingStats | None, key: str):
+    def __init__(self, stats: RingStats | None, key: str, device: torch.device):
         self.stats, self.key = stats, key
+        self.sync = stats is not None and device.type == "cuda"
+        self.device = device
 
     def __enter__(self):
         # a named range in torch.profiler traces ("ring.compute_s", "ring.wait_s"): bench.py
         # reads them back to see which transfers were hidden behind compute
         self.range = torch.profiler.record_function(f"ring.{self.key}")
         self.range.__enter__()
+        if self.sync:
+            torch.cuda.current_stream(self.device).synchronize()
         self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc):
+        if self.sync:  # NCCL's wait() only orders the stream: this is where the data is there
+            torch.cuda.current_stream(self.device).synchronize()
         self.range.__exit__(*exc)
         if self.stats is not None:
             self.stats.add(self.key, time.perf_counter() - self.t0)
@@ -175,8 +183,8 @@ class _Clock:
                 self.stats.add("compute_cpu_s", time.thread_time() - self.c0)
 
 
-def _wait(requests, stats):
-    with _Clock(stats, "wait_s"):
+def _wait(requests, stats, device):
+    with _Clock(stats, "wait_s", device):
         for req in requests:
             req.wait()
 
@@ -200,7 +208,7 @@ class RingAttentionFunction(torch.autograd.Function):
         for step, (_, pairs) in enumerate(steps):
             if step < cp - 1:  # the next block is on its way while this one computes
                 next_kv, requests = _ring_send_recv(kv, group, KV_TAG)
-            with _Clock(stats, "compute_s"):
+            with _Clock(stats, "compute_s", q.device):
                 ks, vs = kv[0].to(acc).chunk(n, dim=2), kv[1].to(acc).chunk(n, dim=2)
                 for a, b, kind in pairs:
                     o, lse = _block_forward(qs[a], ks[b], vs[b], scale, kind == "diagonal")
@@ -208,7 +216,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if stats is not None:
                 stats.blocks += len(pairs)
             if step < cp - 1:
-                _wait(requests, stats)
+                _wait(requests, stats, q.device)
                 kv = next_kv
         out, lse = (
             torch.cat(outs, dim=2),
@@ -243,7 +251,7 @@ class RingAttentionFunction(torch.autograd.Function):
         for step, (_, pairs) in enumerate(steps):
             if step < cp - 1:
                 next_kv, kv_requests = _ring_send_recv(kv, group, KV_TAG)
-            with _Clock(stats, "compute_s"):
+            with _Clock(stats, "compute_s", q.device):
                 ks, vs = kv[0].to(acc).chunk(n, dim=2), kv[1].to(acc).chunk(n, dim=2)
                 step_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
                 dks, dvs = step_dkv[0].chunk(n, dim=2), step_dkv[1].chunk(n, dim=2)
@@ -256,7 +264,7 @@ class RingAttentionFunction(torch.autograd.Function):
                     dq[a].add_(dsc @ ks[b])
                     dks[b].add_(dsc.transpose(-2, -1) @ qs[a])
             if step > 0:  # the running dK/dV of this block arrived during the compute above
-                _wait(dkv_requests, stats)
+                _wait(dkv_requests, stats, q.device)
                 step_dkv += dkv
             # pass this block's dK/dV on with it; after the last step it reaches its owner
             if cp > 1:
@@ -264,9 +272,9 @@ class RingAttentionFunction(torch.autograd.Function):
             else:  # a ring of one: the block is mine, nothing travels
                 dkv, dkv_requests = step_dkv, []
             if step < cp - 1:
-                _wait(kv_requests, stats)
+                _wait(kv_requests, stats, q.device)
                 kv = next_kv
-        _wait(dkv_requests, stats)  # dkv now holds my own K/V block's full gradient
+        _wait(dkv_requests, stats, q.device)  # dkv now holds my own K/V block's full gradient
         cast = q.dtype
         return (
             torch.cat(dq, dim=2).to(cast),

@@ -172,6 +172,8 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if info.device.type == "cuda":  # the step's kernels, not only their launch
+            torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         losses.append(dtl_dist.all_reduce_scalar(loss.item(), grid.group("dp", "cp"), average=True))
         sent = {

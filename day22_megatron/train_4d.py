@@ -130,7 +130,7 @@ def axis_groups(stack) -> dict[str, list]:
     pp = [grid.embedding_group]
     if stack.pipeline is not None:
         runner = stack.pipeline.runner
-        pp += [runner.act_group, runner.grad_group]
+        pp += list(runner.lane_groups.values())  # its two p2p lanes (day20 pipeline.py)
     return {
         "tp": [grid.tp_group],
         "cp": [grid.cp_group],

@@ -12,7 +12,8 @@ GPUs (NCCL): the same lines with --nproc_per_node=gpu --config day22_megatron/gp
 or the Megatron-LM style scripts in day22_megatron/launch/ (2, 4, 8 GPUs, two nodes).
 
 Environment: OMP_NUM_THREADS=1 (torchrun's default); CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs with
-TP or SP (Megatron sets it so a layer's communication kernels queue in issue order).
+TP or SP (Megatron sets it so a layer's communication kernels queue in issue order; main() sets
+it when TP > 1 and it is unset).
 
 The flags are Megatron-LM's (`--tensor-model-parallel-size`, ... written with - or _, with = or
 a space). What runs is megatron-core's own code: `parallel_state` (groups checked equal to
@@ -22,8 +23,9 @@ interleaved 1F1B), `DistributedDataParallel` (gradients in contiguous buffers, a
 reduce-scattered for the distributed optimizer), `finalize_model_grads` (DP sync, tied
 embedding and SP LayerNorm all-reduces), `get_megatron_optimizer` (Adam; with
 --use-distributed-optimizer the DistributedOptimizer, which shards optimizer state like ZeRO-1)
-and `OptimizerParamScheduler`. On a CPU, dtl.megatron's two shims (cpu_shim, optimizer_shim)
-let it run; with CUDA they do nothing. At the end rank 0 trains the dtl GPT in one process on
+and `OptimizerParamScheduler`. When the run's device is the CPU (gloo, on any machine),
+dtl.megatron's two shims (cpu_shim, optimizer_shim) let it run; under NCCL they do nothing (the
+log's shim line says which, and why). At the end rank 0 trains the dtl GPT in one process on
 the same global batches with torch's AdamW, the same decay groups and clipping, and compares
 losses, gradient norms and parameters.
 """
@@ -121,8 +123,13 @@ class Config:
             )
         except layouts.LayoutError as e:
             raise err(str(e)) from None
-        if self.bf16 and not torch.cuda.is_available():
-            raise err("--bf16 is for GPUs here: the CPU run checks fp32 against one process")
+        try:  # the backend init() will choose, read before any process group exists
+            on_gpu = dtl_dist.planned_backend() == "nccl"
+        except dtl_dist.BackendError as e:
+            raise err(str(e)) from None
+        if self.bf16 and not on_gpu:
+            raise err("--bf16 is for GPUs here: this run's device is the CPU (gloo); the CPU run "
+                      "checks fp32 against one process")  # fmt: skip
         name = lay.name(self.sequence_parallel)
         self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"
 
@@ -312,8 +319,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
         f"parameters on rank 0: {int(got[0]):,} held, {int(got[1]):,} by formula "
         f"(day22_megatron/formulas.py params_per_rank); ranks that differ: {int(mismatched.item())}"
     )
-    shim = "inactive (CUDA present)" if torch.cuda.is_available() else "active (no CUDA)"
-    dtl_dist.print0(f"dtl.megatron cpu_shim + optimizer_shim: {shim}")
+    dtl_dist.print0(f"dtl.megatron cpu_shim + optimizer_shim: {dm.shim_state()}")
     dtl_dist.print0(
         f"converter: dtl GPT -> this layout's megatron shards -> dtl GPT, max |diff| "
         f"{result['roundtrip']:.1e} on rank 0"
@@ -372,6 +378,8 @@ def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    if cfg.tensor_model_parallel_size > 1:  # read when CUDA starts (in init): set it first
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     info = dtl_dist.init()
     lay = cfg.layout
     grid = ParallelGrid(tp=lay.tp, pp=lay.pp, dp=lay.dp)

@@ -28,6 +28,7 @@ import re
 import statistics
 from dataclasses import dataclass
 
+from day18_zero.ds_engine import use_run_accelerator
 from day23_zero3_offload import explain, measure, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -129,11 +130,33 @@ def measure_run(cfg: Config, info, rcfg: train.Config, ds: dict) -> dict:
     return row
 
 
-def run_templates(cfg: Config, info) -> list[dict]:
+def nvme_missing() -> str | None:
+    """Why the NVMe template cannot run on this machine (no libaio), or None."""
+    try:
+        explain.check_libaio()
+    except explain.MissingLibaio as e:
+        return str(e)
+    return None
+
+
+def _runnable(names: list[str], templates: list[str], not_run: list[str]) -> list[bool]:
+    """Which entries may run here: NVMe ones only with libaio (each one left out is said)."""
+    reason = nvme_missing() if "nvme" in templates else None
+    keep = [t != "nvme" or reason is None for t in templates]
+    for name, ok in zip(names, keep):
+        if not ok:
+            not_run.append(name)
+            dtl_dist.print0(f"{name}: not run here: {reason}")
+    return keep
+
+
+def run_templates(cfg: Config, info, not_run: list[str]) -> list[dict]:
     rows = []
     variants = [(t, t, None) for t in explain.TEMPLATES] + [("nvme", "nvme_paged", 0)]
     wanted = {t for t in cfg.templates.split(",") if t}
     variants = [v for v in variants if not wanted or v[1] in wanted]
+    keep = _runnable([v[1] for v in variants], [v[0] for v in variants], not_run)
+    variants = [v for v, ok in zip(variants, keep) if ok]
     for template, tag, max_in_cpu in variants:
         rcfg = _run_cfg(cfg, template, tag)
         ds = rcfg.load_ds_config()
@@ -178,9 +201,11 @@ def _keys_cfg(cfg: Config, template: str, tag: str) -> train.Config:
     return rcfg
 
 
-def run_keys(cfg: Config, info) -> list[dict]:
+def run_keys(cfg: Config, info, not_run: list[str]) -> list[dict]:
     wanted = {k for k in cfg.keys.split(",") if k}
     sweep = [s for s in KEY_SWEEP if not wanted or s[1] in wanted]
+    keep = _runnable([f"{t} {k}" for t, k, _ in sweep], [t for t, _, _ in sweep], not_run)
+    sweep = [s for s, ok in zip(sweep, keep) if ok]
     baselines, rows = {}, []
     for template, key, value in sweep:
         if template not in baselines:
@@ -229,7 +254,7 @@ FIT_WIDTHS = (64, 128, 192, 256, 384, 512)
 FIT_DEPTHS = (2, 4, 6, 8, 12)
 
 
-def run_fit(cfg: Config, info) -> list[dict]:
+def run_fit(cfg: Config, info, not_run: list[str]) -> list[dict]:
     budget = cfg.fit_budget_mb * MB
     rows = []
     for name in explain.TEMPLATES:
@@ -270,8 +295,16 @@ def _run_largest(cfg: Config, info, row: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     info = dtl_dist.init()
+    use_run_accelerator(info.device.type)  # before anything below imports DeepSpeed
     dtl_config.save(cfg, cfg.out_dir, argv)
-    rows = {"templates": run_templates, "keys": run_keys, "fit": run_fit}[cfg.part](cfg, info)
+    not_run: list[str] = []  # NVMe entries on a machine without libaio
+    part = {"templates": run_templates, "keys": run_keys, "fit": run_fit}[cfg.part]
+    rows = part(cfg, info, not_run)
+    if not rows:  # nothing this machine can run: SKIP, with the reason, never PASS
+        dtl_dist.print0(f"skipped: {nvme_missing()}")
+        dtl_dist.cleanup()
+        return
+    absent = f"; not run here: {', '.join(not_run)} (no libaio)" if not_run else ""
     if info.is_main:
         flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
         write_csv(flat, os.path.join(cfg.out_dir, f"{cfg.part}.csv"))
@@ -286,11 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         dtl_dist.print0(
             f"summary: day23 bench templates on {cfg.model}: bytes per location = prediction "
             f"within {worst:.1%}; slowest {slowest['template']} at {slowest['ratio']:.2f}x "
-            "no-offload ZeRO-3"
+            f"no-offload ZeRO-3{absent}"
         )
     elif cfg.part == "keys":
         model = cfg.keys_model or cfg.model
-        dtl_dist.print0(f"summary: day23 bench keys: {len(rows)} changes measured on {model}")
+        dtl_dist.print0(
+            f"summary: day23 bench keys: {len(rows)} changes measured on {model}{absent}"
+        )
     else:
         fit = next(r for r in rows if r["template"] == "cpu")
         ok = fit["device_mb"] <= cfg.fit_budget_mb

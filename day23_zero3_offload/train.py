@@ -8,7 +8,8 @@ CPU (gloo), 2 ranks, ~15 s (the NVMe template needs `apt-get install libaio-dev`
         --ds_config=day23_zero3_offload/zero3_offload_opt_only.json      # any ds_config file
 GPUs (NCCL): the same with --nproc_per_node=gpu --config day23_zero3_offload/gpu.toml (bf16).
 
-Environment: OMP_NUM_THREADS=1; DS_ACCELERATOR=cpu on a CPU machine (the tests set it);
+Environment: OMP_NUM_THREADS=1; DS_ACCELERATOR follows the run's device (set by
+day18_zero.ds_engine.use_run_accelerator: cpu for gloo, on a GPU machine too; cuda for NCCL);
 TORCH_EXTENSIONS_DIR where `make install` built DeepSpeed's cpu_adam and async_io ops.
 
 --ds_config is a template name (zero3, opt_only, cpu, nvme) or a path. The run reads the batch,
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from day18_zero.ds_engine import DsConfigError
+from day18_zero.ds_engine import DsConfigError, planned_device_type, use_run_accelerator
 from day23_zero3_offload import explain, measure
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -77,6 +78,8 @@ class Config:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
         self.skip_reason = ""
         try:
+            # DeepSpeed's accelerator = the run's device, before explain.check imports DeepSpeed
+            use_run_accelerator(planned_device_type())
             explain.check(self.load_ds_config(), world)
         except explain.MissingLibaio as e:
             self.skip_reason = str(e)  # a SKIP in the tour, not a failure (lessons.toml)
@@ -115,8 +118,10 @@ def optimizer_settings(ds: dict) -> dict:
     )
 
 
-def build_engine(cfg: Config, ds: dict):
-    """deepspeed.initialize on the dtl GPT, with Megatron's decay groups (matrices only)."""
+def build_engine(cfg: Config, ds: dict, device):
+    """deepspeed.initialize on the dtl GPT, with Megatron's decay groups (matrices only), on the
+    run's `device`: DeepSpeed moves the module there itself (its accelerator, set to match)."""
+    use_run_accelerator(device.type)
     import deepspeed
 
     gpt = GPT(cfg.model_config(), seed=cfg.seed)
@@ -162,7 +167,7 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
     ds = ds or cfg.load_ds_config()
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
-    engine = engine or build_engine(cfg, ds)
+    engine = engine or build_engine(cfg, ds, info.device)
     peak = measure.PeakGathered(engine)  # the gathered parameters' high-water mark
     first_step, states = 0, {}
     if cfg.resume:

@@ -69,6 +69,8 @@ def measure(cfg: Config, name: str, info) -> dict:
         loss_fn(model(x.to(info.device)), y.to(info.device)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if info.device.type == "cuda":  # the step's kernels, not their launch
+            torch.cuda.synchronize(info.device)
         step[0] += 1
         return time.perf_counter() - t0
 

@@ -46,6 +46,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dtl.dist import run_device
+
 PREFIX, TMP, OLD, LATEST, META = "step_", ".tmp", ".old", "latest", "meta.json"
 
 
@@ -114,13 +116,21 @@ class AppState(Stateful):
             set_rng_bytes(state["rng"][self.rng_key])
 
 
+def run_uses_cuda() -> bool:
+    """Does this process compute on a GPU? Its process group's device when there is one (NCCL:
+    cuda:<local rank>; gloo: the CPU, on a GPU machine too), else whether it has used CUDA."""
+    if dist.is_initialized():
+        return run_device().type == "cuda"
+    return torch.cuda.is_initialized()
+
+
 def rng_bytes() -> bytes:
-    """This process's generators (CPU, and CUDA's where present: dropout on a GPU draws from
-    it) as one bytes value. DCP saves a non-tensor value whole and loads it by replacement,
-    so a checkpoint written on a CPU loads on a GPU machine and the other way round (a dict of
-    tensors would be flattened into keys that one side lacks)."""
+    """This process's generators (the CPU's, and its GPU's when the run computes there: dropout
+    on a GPU draws from it) as one bytes value. DCP saves a non-tensor value whole and loads it
+    by replacement, so a checkpoint written on a CPU loads on a GPU machine and the other way
+    round (a dict of tensors would be flattened into keys that one side lacks)."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if run_uses_cuda():  # the current device's: cuda:<local rank>, set by dtl.dist.init
         state["cuda"] = torch.cuda.get_rng_state()
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -128,9 +138,11 @@ def rng_bytes() -> bytes:
 
 
 def set_rng_bytes(data: bytes) -> None:
+    """Put back what rng_bytes saved; a GPU state only on a run that computes on its GPU (a
+    CPU run's checkpoint restores the CPU generator alone, and the other way round)."""
     state = torch.load(io.BytesIO(data), weights_only=True)
     torch.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
+    if run_uses_cuda() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
 
 

@@ -20,7 +20,8 @@ elastic           two torchrun agents (--nnodes=2, c10d rendezvous on localhost)
                   restart at world 2 and resume from it.
 
 The drill itself is an orchestrator: launched by torchrun (like every lesson line) it runs as one
-process and starts its own torchrun jobs, with the outer torchrun's variables removed.
+process and starts its own torchrun jobs, with the outer torchrun's variables removed and
+DTL_BACKEND=gloo (FORCED_BACKEND: on a GPU machine too, and it says so in a `note:` line).
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from dtl import config as dtl_config
 from dtl.registry import child_env
 
 DRILLS = ("kill_rank", "kill_during_save", "corrupt_shard", "elastic")
+BACKENDS = ("gloo", "auto")
 
 
 @dataclass
@@ -50,11 +54,21 @@ class Config:
     steps: int = 12  # steps per run
     save_every: int = 4  # steps between checkpoints
     seed: int = 0  # which steps the kills land on
+    # gloo: every job on the CPU, on any machine (the default: see FORCED_BACKEND); auto: each
+    # job chooses as train.py does (NCCL when every rank has a GPU): a GPU's save and resume
+    backend: str = "gloo"
     out_dir: str = "outputs/day24_checkpoint/drills"  # one folder per run, wiped first
 
     def validate(self) -> None:
         if self.drill not in (*DRILLS, "all"):
             raise dtl_config.ConfigError(f"unknown drill '{self.drill}'; one of {DRILLS} or all")
+        if self.backend not in BACKENDS:
+            raise dtl_config.ConfigError(f"unknown backend '{self.backend}'; one of {BACKENDS}")
+        if self.backend == "auto" and self.drill in ("elastic", "all"):
+            raise dtl_config.ConfigError(
+                "the elastic drill needs backend=gloo: its one-process agents would all take "
+                "cuda:0, which NCCL refuses"
+            )
         if self.steps <= self.save_every + 1:
             raise dtl_config.ConfigError(
                 "steps must exceed save_every + 1 (a kill needs a "
@@ -93,8 +107,18 @@ class Run:
             return [json.loads(line) for line in f]
 
 
-def clean_env(**extra) -> dict:
-    return child_env(**extra)  # the parent torchrun's variables removed (dtl.registry)
+# By default every job the drills start runs gloo on the CPU. The drills test recovery, not
+# speed, and the elastic drill starts several agents of one process each on one machine: under
+# NCCL every one of them would take cuda:0 (LOCAL_RANK 0 in each agent), which NCCL refuses; and
+# a bit-identical verdict needs every run of a drill on the same backend. --backend=auto lets
+# the other drills run as train.py chooses: on GPUs, a save and resume through CUDA and NCCL.
+FORCED_BACKEND = "gloo"
+
+
+def clean_env(backend: str = FORCED_BACKEND, **extra) -> dict:
+    # the parent torchrun's variables removed (dtl.registry), the drills' backend forced
+    forced = {"DTL_BACKEND": FORCED_BACKEND} if backend == FORCED_BACKEND else {}
+    return child_env(**forced, **extra)
 
 
 def torchrun(launch: list[str], train: list[str], out_dir: str, timeout_s=180, env=None) -> Run:
@@ -111,9 +135,8 @@ def torchrun(launch: list[str], train: list[str], out_dir: str, timeout_s=180, e
         *train,
     ]
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout_s, env=env or clean_env()
-    )
+    env = env or clean_env()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     return Run(proc.returncode, proc.stdout + proc.stderr, out_dir, time.perf_counter() - t0)
 
 
@@ -125,8 +148,10 @@ class Drills:
             f"--steps={cfg.steps}",
             f"--save_every={cfg.save_every}",
             "--resume=auto",
+            f"--fail_rank={cfg.nproc - 1}",  # the last rank dies (rank 0 when there is one)
         ]
         self.standalone = ["--standalone", f"--nproc_per_node={cfg.nproc}"]
+        self.env = clean_env(cfg.backend)
         self._reference: Run | None = None
 
     def path(self, name: str) -> str:
@@ -135,7 +160,9 @@ class Drills:
     def reference(self) -> Run:
         """The uninterrupted run every drill is compared with (run once)."""
         if self._reference is None:
-            self._reference = torchrun(self.standalone, self.common, self.path("reference"))
+            self._reference = torchrun(
+                self.standalone, self.common, self.path("reference"), env=self.env
+            )
             if self._reference.returncode != 0 or self._reference.sha is None:
                 raise RuntimeError(f"the reference run failed:\n{self._reference.output[-2000:]}")
         return self._reference
@@ -150,6 +177,7 @@ class Drills:
             [*self.standalone, "--max-restarts=1"],
             [*self.common, f"--fail_at_step={step}"],
             self.path(f"kill_rank_{step}"),
+            env=self.env,
         )
         expected = step // self.cfg.save_every * self.cfg.save_every
         return dict(
@@ -169,6 +197,7 @@ class Drills:
             [*self.standalone, "--max-restarts=1"],
             [*self.common, f"--fail_during_save={step}"],
             self.path("kill_during_save"),
+            env=self.env,
         )
         expected = step - self.cfg.save_every
         return dict(
@@ -208,7 +237,7 @@ class Drills:
                 *self.common[:3],
                 "--resume=latest",
             ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self.env)
             lines = proc.stderr.strip().splitlines()
             results[damage] = dict(
                 code=proc.returncode,
@@ -307,6 +336,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         dtl_config.exit_with_error("drill.py is one orchestrating process: --nproc_per_node=1")
+    if cfg.backend == "auto":
+        print("note: each drill job chooses its backend as train.py does (NCCL on GPUs)")
+    elif torch.cuda.is_available():  # a GPU machine: say that this PASS is no GPU result
+        print(
+            f"note: {FORCED_BACKEND} on the CPU (forced: DTL_BACKEND={FORCED_BACKEND} for every "
+            "drill job, whose one-process agents would all take cuda:0 under NCCL); this PASS "
+            "is not a GPU result",
+            flush=True,
+        )
     drills = Drills(cfg)
     chosen = DRILLS if cfg.drill == "all" else (cfg.drill,)
     rng = random.Random(cfg.seed)

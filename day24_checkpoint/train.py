@@ -111,11 +111,15 @@ def build(cfg: Config, info):
     elif cfg.parallel == "ddp":
         model = DDP(gpt)
     else:
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        # the run's device type, not FSDP2's default (torch's accelerator: CUDA on any GPU
+        # machine, which under gloo would put the shards on cuda:0 beside the CPU batches)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, info.device.type)
         for block in gpt.blocks.values():  # each block its own all-gather unit, then the rest
-            fully_shard(block)
-        model = fully_shard(gpt)
+            fully_shard(block, mesh=mesh)
+        model = fully_shard(gpt, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
     return gpt, model, opt, sched
@@ -236,7 +240,12 @@ def run(cfg: Config, info) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
+    # bit-identical resumes on a GPU need kernels that give the same bits every time: cuBLAS
+    # picks a split-K reduction order per workspace unless this is set before its first call
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     info = dtl_dist.init()
+    if info.device.type == "cuda":  # an op with no deterministic kernel warns (not on a CPU)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     dtl_config.save(cfg, cfg.out_dir, argv)
     result = run(cfg, info)
     records = result["ckpt"].records

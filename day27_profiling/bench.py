@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=mfu
     torchrun --standalone --nproc_per_node=1 -m day27_profiling.bench --part=traces
 GPU: the same lines; part=mfu then measures the bf16 ceiling and the step of the model given
-(lessons.toml's GPU line: gpt2-124m at T = 1024); part=traces stays a CPU-host analysis
+(lessons.toml's GPU line: gpt2-124m at T = 1024; DTL_BACKEND=gloo measures the CPU instead);
+part=traces stays a CPU-host analysis: its runs are gloo on any machine (a `note:` line says so)
 
 mfu: the FLOPs-per-token table in every convention (mfu.py), the published figures recomputed,
 FlopCounterMode's count of a real step beside the formula, the matmul ceiling of this device at
@@ -29,11 +30,13 @@ import torch
 from day27_profiling import ceiling, mfu, trace_analysis
 from day27_profiling.profile import trace_path
 from dtl import config as dtl_config
+from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import peak_flops
 from dtl.model import GPT, PRESETS, loss_fn, preset
 from dtl.registry import child_env
 
+TRACES_BACKEND = "gloo"  # part=traces: the backend of the profiled runs, on any machine
 RUNS = {  # name -> (module, args): the runs part=traces profiles
     "ddp_naive": ("day17_ddp.train", ["--sync=naive", "--profile_step=-1", "--steps=4"]),
     "ddp_bucket": ("day17_ddp.train", ["--sync=bucket", "--profile_step=-1", "--steps=4"]),
@@ -100,8 +103,18 @@ def measure_step(cfg: Config, device, dtype) -> float:
     return cfg.batch_size * cfg.seq_len / best
 
 
+def run_device() -> torch.device:
+    """This one-process run's device, by dtl.dist's rule (no process group is made here): the GPU
+    when one exists, the CPU with DTL_BACKEND=gloo (a CPU measurement on a GPU machine)."""
+    try:
+        backend = dtl_dist.choose_backend(1)
+    except dtl_dist.BackendError as e:
+        dtl_config.exit_with_error(e)  # one line, exit 2
+    return torch.device("cuda" if backend == "nccl" else "cpu")
+
+
 def part_mfu(cfg: Config) -> str:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = run_device()
     dtype = _dtype(cfg, device)
     gpt2 = preset("gpt2-124m")
     print("FLOPs per token, GPT-2 124M at T = 1024 (ratio to the PaLM/nanoGPT convention):")
@@ -161,7 +174,9 @@ def profile_run(name: str, out_dir: str, active_step: int = 2) -> tuple[str, str
     """Run RUNS[name] on 2 ranks under profile.py; returns (its output, its trace folder)."""
     module, args = RUNS[name]
     trace_dir = os.path.join(out_dir, "traces", name)
-    env = child_env()  # a torchrun job inside this one: the parent's variables removed
+    # a torchrun job inside this one: the parent's variables removed; gloo, on a GPU machine
+    # too: trace_analysis cuts host ranges (gloo's spans), not GPU kernel lanes
+    env = child_env(DTL_BACKEND=TRACES_BACKEND)
     cmd = [
         sys.executable,
         "-m",
@@ -183,6 +198,13 @@ def profile_run(name: str, out_dir: str, active_step: int = 2) -> tuple[str, str
 
 
 def part_traces(cfg: Config) -> str:
+    if torch.cuda.is_available():  # a GPU machine: say that this PASS is no GPU result
+        print(
+            f"note: {TRACES_BACKEND} on the CPU (forced: the traced runs use "
+            f"DTL_BACKEND={TRACES_BACKEND}, since trace_analysis reads host ranges, not GPU "
+            "kernel lanes); this PASS is not a GPU result",
+            flush=True,
+        )
     parts, lanes = [], {}
     for name in cfg.runs.split(","):
         output, trace_dir = profile_run(name, cfg.out_dir)

@@ -18,7 +18,8 @@ CUDA: kernels and NCCL kernels on their streams too, and NVTX ranges for every o
 
     nsys profile --trace=cuda,nvtx,osrt --output=<trace_dir>/nsys <the torchrun line>
 
-(NVTX is only emitted where CUDA is present; on a CPU it would be a no-op at best.)
+(NVTX and the CUDA activity are only recorded for a run on GPUs, by dtl.dist's rule; a gloo run,
+on a GPU machine too, has no kernels to show.)
 A lesson that runs its own profiler must turn it off (day 17: --profile_step=-1): torch allows
 one profiler at a time.
 """
@@ -26,6 +27,7 @@ one profiler at a time.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import runpy
 import shlex
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from dtl import config as dtl_config
+from dtl import dist as dtl_dist
 
 
 @dataclass
@@ -45,7 +48,7 @@ class Config:
     run: str = ""  # ... and the name of its run: its CPU line is wrapped and run
     active_step: int = 2  # optimizer steps run before the one that is traced
     trace_dir: str = "outputs/day27_profiling/traces"  # rank<R>.json
-    nvtx: bool = True  # emit NVTX ranges when CUDA is present (for Nsight Systems)
+    nvtx: bool = True  # emit NVTX ranges on a GPU run (for Nsight Systems)
 
     def validate(self) -> None:
         if bool(self.target) == bool(self.lesson):
@@ -56,9 +59,19 @@ def trace_path(trace_dir: str, rank: int) -> str:
     return os.path.join(trace_dir, f"rank{rank}.json")
 
 
+def run_on_gpu() -> bool:
+    """Will the wrapped run compute on GPUs? The target's dtl.dist.init() has not run yet, so
+    ask its rule: NCCL (GPUs) when every local rank has one, gloo otherwise or with
+    DTL_BACKEND=gloo (a CPU run on a GPU machine, whose trace needs no CUDA lanes)."""
+    try:
+        return dtl_dist.planned_backend() == "nccl"
+    except dtl_dist.BackendError:
+        return False  # the target's init() reports the bad DTL_BACKEND in one line
+
+
 def nvtx_context(enabled: bool):
-    """NVTX ranges for Nsight Systems, only where CUDA exists (a CPU run gets a null context)."""
-    if enabled and torch.cuda.is_available():
+    """NVTX ranges for Nsight Systems, only on a GPU run (a CPU run gets a null context)."""
+    if enabled and run_on_gpu():
         return torch.autograd.profiler.emit_nvtx(record_shapes=False)
     return contextlib.nullcontext()
 
@@ -72,7 +85,7 @@ def profile_module(cfg: Config, target_argv: list[str]) -> None:
     os.makedirs(cfg.trace_dir, exist_ok=True)
     path = trace_path(cfg.trace_dir, rank)
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if run_on_gpu():  # kernels and NCCL on their streams; a gloo run has none to record
         activities.append(ProfilerActivity.CUDA)
     prof = profile(
         activities=activities,
@@ -88,6 +101,27 @@ def profile_module(cfg: Config, target_argv: list[str]) -> None:
             runpy.run_module(cfg.target, run_name="__main__", alter_sys=True)
     finally:
         hook.remove()
+    if rank == 0:
+        print(trace_summary(cfg.target, path), flush=True)
+
+
+def trace_summary(target: str, path: str) -> str:
+    """One line on what rank 0's trace holds: its events, and the GPU's kernels by kind."""
+    if not os.path.exists(path):
+        return (
+            f"summary: day27 profile of {target}: no trace written (fewer than active_step steps?)"
+        )
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    nccl = sum("nccl" in e.get("name", "").lower() for e in kernels)
+    busy_ms = sum(e.get("dur", 0) for e in kernels) / 1e3
+    gpu = (
+        f"{len(kernels):,} CUDA kernels ({nccl} NCCL), {busy_ms:.1f} ms of kernel time"
+        if kernels
+        else "no CUDA kernels (a CPU run)"
+    )
+    return f"summary: day27 profile of {target}: {path}, {len(events):,} events, {gpu}"
 
 
 def wrapped_line(lesson: int, run: str, trace_dir: str, active_step: int) -> list[str]:

@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"skipped: {reason}--part=mfu measures a CPU against its own ceiling)", flush=True)
         return
     info = dtl_dist.init()
+    if info.device.type != "cuda":  # GPUs present, but the run is on the CPU: no GPU to measure
+        dtl_dist.print0(
+            f"skipped: bench_mfu measures one CUDA GPU; this run's device is the CPU "
+            f"({info.backend}: DTL_BACKEND={os.environ.get('DTL_BACKEND', '')!r})"
+        )
+        dtl_dist.cleanup()
+        return
     dtl_config.save(cfg, cfg.out_dir, argv)
     mcfg = preset(cfg.model)
     tokens = load_corpus(tokenizer="auto").train

@@ -129,7 +129,7 @@ class StepBatches(Dataset):
         )
         mine = offsets[self.dp_rank * self.rows : (self.dp_rank + 1) * self.rows]
         rows = np.stack([self.data.read(int(o), self.seq_len + 1) for o in mine.tolist()])
-        rows = torch.from_numpy(rows.astype(np.int64))
+        rows = torch.from_numpy(rows.astype(np.int64))  # host: a worker's batch; the loop moves it
         return rows[:, :-1], rows[:, 1:]
 
 

@@ -16,8 +16,9 @@ full while a step runs):
 Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
 fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
-The device: CUDA's total memory, or on a CPU the machine's RAM shared by the local ranks;
-DTL_DEVICE_MEMORY_GB overrides it (the tests, and a what-if on any machine).
+The device: the GPU's total memory when the run computes on GPUs (NCCL), else the machine's RAM
+shared by the local ranks (a gloo run); DTL_DEVICE_MEMORY_GB overrides it (the tests, and a
+what-if on any machine).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import os
 
 import torch
 
+from day18_zero.ds_engine import DsConfigError, planned_device_type
 from day19_tp.formulas import block_params
 from day22_megatron import formulas
 from day22_megatron.layouts import Layout
 from day28_gpt125m.strategies import BF16
+from dtl import dist as dtl_dist
 from dtl.model import num_params
 
 GB = 1e9
@@ -40,9 +43,16 @@ class FitError(ValueError):
 
 
 def device_bytes(local_world: int) -> float:
+    """The memory one rank may fill: its GPU's when the run computes on GPUs (NCCL), else the
+    machine's RAM over the local ranks (a gloo run, on a GPU machine too: its tensors live in
+    RAM)."""
     if os.environ.get("DTL_DEVICE_MEMORY_GB"):
         return float(os.environ["DTL_DEVICE_MEMORY_GB"]) * GB
-    if torch.cuda.is_available():
+    try:
+        on_gpu = planned_device_type() == "cuda"  # dtl.dist.init's rule, before it runs
+    except DsConfigError as e:  # a DTL_BACKEND that cannot run here
+        raise FitError(str(e)) from None
+    if on_gpu:
         return float(torch.cuda.get_device_properties(0).total_memory)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram / max(1, local_world)
@@ -73,8 +83,7 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
 
 def check(cfg) -> None:
     """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world))
-    have = device_bytes(local)
+    have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len, bf16=cfg.bf16)
     own = dict(kw, bf16=cfg.bf16 and cfg.strategy in BF16)  # tp_pp and megatron run fp32
     need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)

@@ -69,12 +69,13 @@ def autocast(r: Recipe, device: torch.device):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, new_tokens: int, top_k: int = 40, seed: int = 0):
-    """Sample `new_tokens` after `prompt` (top-k, temperature 1) from a one-process GPT."""
+    """Sample `new_tokens` after `prompt` (top-k, temperature 1) from a one-process GPT; only
+    the tokenizer's words are drawn (a vocabulary padded for TP has rows it cannot decode)."""
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([tokenizer.encode(prompt)], device=device)
     for _ in range(new_tokens):
-        logits = model(ids[:, -model.cfg.block_size :])[:, -1, :].float()
+        logits = model(ids[:, -model.cfg.block_size :])[:, -1, : tokenizer.vocab_size].float()
         top, idx = logits.topk(min(top_k, logits.size(-1)))
         nxt = idx.gather(1, torch.multinomial(F.softmax(top, dim=-1), 1, generator=g))
         ids = torch.cat([ids, nxt], dim=1)

@@ -81,11 +81,15 @@ class TorchData(Strategy):
             self.model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
             self.sync_off = self.model.no_sync  # no all-reduce until the last micro-batch
         else:
+            from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
+            # the run's device type, said: FSDP2's default mesh is torch's accelerator (CUDA on
+            # any GPU machine), which under gloo would shard onto cuda:0 beside CPU batches
+            mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
             for block in gpt.blocks.values():  # bottom-up: each block its own all-gather unit
-                fully_shard(block)
-            self.model = self.gpt = fully_shard(gpt)
+                fully_shard(block, mesh=mesh)
+            self.model = self.gpt = fully_shard(gpt, mesh=mesh)
             self.sync_off = self._fsdp_no_sync
         self.optimizer = make_adamw(self.gpt, r)
 
@@ -146,7 +150,10 @@ class TorchData(Strategy):
 class DeepSpeedZero3(Strategy):
     name = "zero3"
 
-    def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int):
+    def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int, device):
+        from day18_zero.ds_engine import use_run_accelerator
+
+        use_run_accelerator(device.type)  # DeepSpeed's device = the run's, set before its import
         import deepspeed
 
         from dtl.model import optimizer_groups
@@ -323,7 +330,7 @@ def build(name: str, cfg: GPTConfig, r: Recipe, grid, device, *, micro_batch: in
     if name in ("ddp", "fsdp2"):
         return TorchData(name, GPT(cfg, seed=seed).to(device), r, device)
     if name == "zero3":
-        return DeepSpeedZero3(GPT(cfg, seed=seed), r, micro_batch, accum)
+        return DeepSpeedZero3(GPT(cfg, seed=seed), r, micro_batch, accum, device)
     if name == "tp_pp":
         return OurTPPP(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
     if name == "megatron":

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from day22_megatron.layouts import padded_preset
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit
 from day28_gpt125m.recipe import Recipe, generate, lr_at
@@ -81,6 +82,13 @@ class Config:
     out_dir: str = ""  # empty: outputs/day28_gpt125m/<strategy>-<model>
 
     def model_config(self):
+        """The preset; under tensor parallelism (tp_pp, megatron) a vocabulary that tp does not
+        divide is padded to a multiple of 128 x tp, Megatron's --make-vocab-size-divisible-by
+        (day 22): GPT-2's 50,257 words split over no tp > 1 (`small`'s 50,304 and `tiny`'s 256
+        need nothing, so their runs are unchanged). Padded rows are never a target; every
+        strategy and the one-process reference of this run use the same config."""
+        if self.strategy in MODEL_PARALLEL and PRESETS[self.model].vocab_size % self.tp:
+            return padded_preset(self.model, 0, 128, self.tp)
         return preset(self.model)
 
     @property

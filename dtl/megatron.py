@@ -10,7 +10,7 @@ the message, instead of training on the wrong shards.
 
     grid = ParallelGrid(tp=2, pp=2)              # 4 ranks
     init_parallel_state(grid)                    # raises ParallelStateMismatch on any difference
-    with cpu_shim():                             # a no-op when CUDA is present
+    with cpu_shim():                             # a no-op when the run is on CUDA (NCCL)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         layer = ColumnParallelLinear(..., config=model_parallel_config(grid), ...)
         ...                                      # forward *and* backward inside the shim
@@ -19,8 +19,12 @@ the message, instead of training on the wrong shards.
 megatron-core has no CPU mode. Its layers and schedules allocate on `torch.cuda.current_device()`,
 write `device="cuda"`, call `.cuda()`, and keep their RNG streams in the CUDA generator.
 `cpu_shim()` patches exactly those places (PLATFORM.md, "megatron-core 0.16.1 on CPU"), only when
-CUDA is absent, only for the megatron-core minor version whose source it was read against, and
-undoes every patch on exit, even on an exception.
+the run's device is the CPU, only for the megatron-core minor version whose source it was read
+against, and undoes every patch on exit, even on an exception. "The run's device" is the one its
+tensors must be on to enter a collective (`dtl.dist.run_device`): the CPU under gloo, a GPU
+machine's gloo run included (DTL_BACKEND=gloo, or more ranks than GPUs), where megatron unpatched
+would put its buffers on cuda:0 beside the run's CPU tensors; cuda:<local rank> under NCCL, where
+the shims do nothing. `shim_state()` says which, and why, in one printable phrase.
 
 megatron's own optimizers (`megatron.core.optimizer`: the DistributedOptimizer,
 Float16OptimizerWithFloat16Params, `clip_grads`) accept a parameter only if `param.type()` is
@@ -47,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from dtl.dist import timeout_s
+from dtl.dist import run_device, timeout_s
 
 if TYPE_CHECKING:
     from dtl.dist import ParallelGrid
@@ -215,6 +219,25 @@ def model_parallel_config(grid: ParallelGrid, *, config_class: type | None = Non
 # ---------------------------------------------------------------------------------------------
 
 
+def run_on_cpu() -> bool:
+    """Does this run compute on the CPU? With a process group: its backend's device (gloo: the
+    CPU, even where GPUs exist; NCCL: a GPU). Before one exists (a test, a one-process tool):
+    the CPU unless CUDA is available, the device `dtl.dist.init()` would give a single rank."""
+    if dist.is_initialized():
+        return run_device().type == "cpu"
+    return not torch.cuda.is_available()
+
+
+def shim_state() -> str:
+    """The shims' state and its reason, for a run's log: "active: the run's device is the CPU
+    (gloo)" or "inactive: the run's device is cuda:0 (nccl)"."""
+    backend = dist.get_backend() if dist.is_initialized() else "no process group"
+    if run_on_cpu():
+        return f"active: the run's device is the CPU ({backend})"
+    device = run_device() if dist.is_initialized() else torch.device("cuda")
+    return f"inactive: the run's device is {device} ({backend})"
+
+
 def check_shim_version() -> str:
     """Return megatron-core's version; raise unless it is the one the shim was written for
     (or DTL_MEGATRON_SHIM_ANY_VERSION=1)."""
@@ -233,7 +256,8 @@ def check_shim_version() -> str:
 def cpu_shim() -> Iterator[None]:
     """Let megatron-core's layers, RNG tracker and schedules run on a CPU while active.
 
-    A no-op when CUDA is available. Otherwise it checks the megatron-core version, applies the
+    A no-op when the run computes on a GPU (`run_on_cpu()` is False: NCCL). Otherwise, a gloo
+    run with or without GPUs in the machine, it checks the megatron-core version, applies the
     patches below and undoes each on exit. Run forward and backward inside it: megatron's
     backward passes allocate and re-seed too. Seed with
     `tensor_parallel.model_parallel_cuda_manual_seed(seed)` inside the shim, after
@@ -241,7 +265,7 @@ def cpu_shim() -> Iterator[None]:
     tracker is built by the first seeding call (or one with `force_reset_rng=True`): make that
     call inside the shim. It keeps working after the shim exits.
     """
-    if torch.cuda.is_available():
+    if not run_on_cpu():
         yield
         return
     check_shim_version()
@@ -249,7 +273,9 @@ def cpu_shim() -> Iterator[None]:
     with contextlib.ExitStack() as patches:
         # 1. Megatron allocates with `device=torch.cuda.current_device()` (schedules, p2p buffers,
         #    layers built without use_cpu_initialization). Without CUDA that call raises "Torch not
-        #    compiled with CUDA enabled"; "cpu" is a valid `device=` everywhere it is used.
+        #    compiled with CUDA enabled"; on a GPU machine's gloo run it would answer 0 and put
+        #    megatron's buffers on cuda:0 beside the run's CPU tensors. "cpu" is a valid
+        #    `device=` everywhere it is used.
         patches.enter_context(_patched(torch.cuda, "current_device", _cpu_current_device))
         # 2. model_parallel_cuda_manual_seed builds its tracker from the module-level name
         #    CudaRNGStatesTracker, whose add() seeds and reads the CUDA generator. The stand-in
@@ -270,10 +296,11 @@ def cpu_shim() -> Iterator[None]:
 
 @contextlib.contextmanager
 def optimizer_shim() -> Iterator[None]:
-    """While active (and only without CUDA), `tensor.type()` of a CPU tensor says
-    "torch.cuda.FloatTensor" (and so on) instead of "torch.FloatTensor": the one check that
-    stops megatron's optimizers on a CPU. Calls with a dtype argument are untouched."""
-    if torch.cuda.is_available():
+    """While active (and only when the run computes on the CPU, as for cpu_shim), `tensor.type()`
+    of a CPU tensor says "torch.cuda.FloatTensor" (and so on) instead of "torch.FloatTensor": the
+    one check that stops megatron's optimizers on a CPU. Calls with a dtype argument are
+    untouched."""
+    if not run_on_cpu():
         yield
         return
     check_shim_version()

@@ -10,6 +10,9 @@ to lr * delta / (4 eps) where |g| ~ eps (dtl/model.py); measured gaps are ~2e-6.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -523,3 +526,52 @@ def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, message, 
     if "--ds_config=BAD" in args:
         args = [*args[:-1], f"--ds_config={tmp_path / 'nope.json'}"]
     assert message in script_error("day18_zero.train", *args, env={"WORLD_SIZE": "2"})
+
+
+def test_planned_device_follows_dtl_dist_rule_not_cuda_presence(monkeypatch):
+    from day18_zero.ds_engine import planned_device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("DTL_BACKEND", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert planned_device_type() == "cuda"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert planned_device_type() == "cpu"  # more ranks than GPUs: gloo
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("DTL_BACKEND", "gloo")
+    assert planned_device_type() == "cpu"  # forced
+    monkeypatch.setenv("DTL_BACKEND", "mpi")
+    with pytest.raises(DsConfigError, match="DTL_BACKEND='mpi'"):
+        planned_device_type()
+
+
+def test_use_run_accelerator_refuses_a_deepspeed_imported_with_the_other_device():
+    from deepspeed.accelerator import get_accelerator
+
+    from day18_zero.ds_engine import use_run_accelerator
+
+    assert get_accelerator().device_name() == "cpu"
+    use_run_accelerator("cpu")
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    with pytest.raises(DsConfigError, match="imported with its cpu accelerator .* is cuda"):
+        use_run_accelerator("cuda")
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+
+
+def test_deepspeed_takes_the_cpu_accelerator_for_a_gloo_run_on_a_gpu_machine():
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 8\n"
+        "from day18_zero.ds_engine import planned_device_type, use_run_accelerator\n"
+        "use_run_accelerator(planned_device_type())\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "print('accelerator', get_accelerator().device_name())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["DTL_BACKEND"] = "gloo"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "accelerator cpu" in out.stdout, out.stdout + out.stderr

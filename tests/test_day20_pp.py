@@ -339,3 +339,71 @@ def test_sizes_a_pipeline_cannot_take_are_one_line_errors():
 )
 def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, world, message):
     assert message in script_error("day20_pp.train", *args, env={"WORLD_SIZE": world})
+
+
+def test_every_schedule_runs_under_nccls_p2p_rules():
+    # FIFO streams, no buffering, no tags: one stream per (group, rank pair), or one per group
+    for p, m in _cases():
+        for name, v in RUNS + [("interleaved", 3), ("interleaved", 4)]:
+            if name == "interleaved" and m % p:
+                continue
+            sched = schedules.make(name, p, m, v)
+            schedules.play_p2p(sched, v)
+            schedules.play_p2p(sched, v, per_group=True)
+
+
+def test_one_group_per_message_kind_hangs_interleaved_at_pp2():
+    # the old layout (activations on one group, gradients on another) deadlocks under NCCL
+    with pytest.raises(schedules.Deadlock, match="no rank can proceed"):
+        schedules.play_p2p(
+            schedules.make("interleaved", 2, 4, 2), 2, lane=lambda src, dst, msg: msg[0]
+        )
+
+
+def test_receives_out_of_send_order_are_caught():
+    A = schedules.Action
+    sched = schedules.one_f_one_b(2, 2)
+    sched[1] = [A("F", 1), A("B", 1), A("F", 0), A("B", 0)]
+    with pytest.raises(schedules.Deadlock, match="wrong tensor"):
+        schedules.play_p2p(sched)
+
+
+def test_lanes_are_one_way():
+    assert schedules.p2p_lane(0, 1) == schedules.p2p_lane(3, 5) == "up"
+    assert schedules.p2p_lane(1, 0) == schedules.p2p_lane(3, 0) == "down"
+
+
+def _crossed_receives_on_the_runtime():
+    """1F1B on 2 ranks, rank 1's list reordered to take micro-batch 1 before 0 while rank 0
+    sends 0 first: the runtime's real sends and receives, matched by tag (gloo) and in posting
+    order (NCCL's rule, DTL_P2P_IGNORE_TAGS). Returns the first-step gradients of each."""
+    from dtl import nccl_rules
+
+    grid = ParallelGrid(pp=2)
+    A = schedules.Action
+    good = schedules.make("1f1b", 2, M, 1)
+    assert good[1][:4] == [A("F", 0), A("B", 0), A("F", 1), A("B", 1)]
+    crossed = [good[0], [A("F", 1), A("B", 1), A("F", 0), A("B", 0), *good[1][4:]]]
+    out = {}
+    for name, sched, ignore_tags in (
+        ("valid", good, True),
+        ("crossed, by tag", crossed, False),
+        ("crossed, in posting order", crossed, True),
+    ):
+        (nccl_rules.ignore_p2p_tags if ignore_tags else nccl_rules.restore_p2p_tags)()
+        stages = build_stages(CFG, grid, 1)
+        PipelineRunner(stages, grid, CFG, (B, T)).step(sched[grid.pp_rank], _micro_batches(0))
+        out[name] = {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
+    return out
+
+
+def test_ignoring_tags_catches_receives_posted_out_of_send_order_in_the_runtime():
+    for rank in run_distributed(_crossed_receives_on_the_runtime, world_size=2):
+        valid = rank["valid"]
+        for n in valid:  # gloo's tags hide the crossed order: the same gradients
+            torch.testing.assert_close(rank["crossed, by tag"][n], valid[n], rtol=0, atol=0)
+        # matched in posting order, as on a GPU, the activations swap: wrong gradients
+        wrong = [
+            n for n in valid if not torch.equal(rank["crossed, in posting order"][n], valid[n])
+        ]
+        assert wrong, "ignoring tags changed nothing: the check could not catch this bug"

@@ -9,6 +9,7 @@ values is a single addition, so the same order every time (at 4 ranks a restart 
 buckets and change the order of additions: equal to rounding, not to the bit).
 """
 
+import io
 import json
 import os
 import types
@@ -29,7 +30,7 @@ CFG = Config(model="tiny", dropout=0.1, global_batch=4, seq_len=16, steps=5, lr=
 
 
 def _info(world):
-    return types.SimpleNamespace(device="cpu", world_size=world)
+    return types.SimpleNamespace(device=torch.device("cpu"), world_size=world)
 
 
 def _step(model, opt, sched, step, rank, world):
@@ -304,3 +305,21 @@ def test_train_script_rejects_bad_checkpoints_and_folders_with_one_line(
         with pytest.raises(dtl_config.ConfigError, match=message) as info:
             dtl_config.load(Config, args)
         assert "\n" not in str(info.value)
+
+
+def test_rng_state_leaves_cuda_alone_when_the_run_is_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: pytest.fail("read CUDA's RNG"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: pytest.fail("set CUDA's RNG"))
+    data = C.rng_bytes()
+    assert set(torch.load(io.BytesIO(data), weights_only=True)) == {"cpu"}
+    C.set_rng_bytes(data)
+
+
+def test_drill_jobs_run_gloo_unless_told_to_choose():
+    from day24_checkpoint.drill import clean_env
+
+    assert clean_env()["DTL_BACKEND"] == "gloo" and clean_env(X="1")["X"] == "1"
+    assert clean_env("auto").get("DTL_BACKEND") == os.environ.get("DTL_BACKEND")
+    line = script_error("day24_checkpoint.drill", "--backend=auto")  # --drill=all: elastic too
+    assert "the elastic drill needs backend=gloo" in line

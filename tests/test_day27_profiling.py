@@ -2,6 +2,7 @@
 weighting; the trace breakdown on a hand-made trace and on real CPU traces of days 17 and 20.
 """
 
+import contextlib
 import json
 
 import pytest
@@ -166,3 +167,16 @@ def test_profile_needs_a_target_or_a_lesson():
         dtl_config.load(Config, [])
     with pytest.raises(dtl_config.ConfigError, match="has no run 'nope'"):
         wrapped_line(20, "nope", "t", 2)
+
+
+def test_profiler_records_cuda_only_for_a_gpu_run(monkeypatch):
+    from day27_profiling import profile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("DTL_BACKEND", raising=False)
+    assert profile.run_on_gpu()
+    monkeypatch.setenv("DTL_BACKEND", "gloo")
+    assert not profile.run_on_gpu()
+    assert isinstance(profile.nvtx_context(True), contextlib.nullcontext)

@@ -226,3 +226,34 @@ def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(script, env
     monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the scripts are written for
     cfg = dtl_config.load(train.Config, [*args, f"--out_dir={tmp_path}"])
     assert cfg.model == "gpt2-124m" and cfg.global_batch_size * cfg.seq_len == 524_288
+
+
+def test_device_memory_is_ram_for_a_gloo_run_on_a_gpu_machine(monkeypatch):
+    monkeypatch.delenv("DTL_DEVICE_MEMORY_GB", raising=False)
+    monkeypatch.delenv("DTL_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert fit.device_bytes(2) == ram / 2
+
+
+def test_tensor_parallel_strategies_pad_the_vocabulary():
+    padded = train.Config(strategy="tp_pp", model="gpt2-124m", tp=2, pp=2).model_config()
+    assert padded.vocab_size % 256 == 0 and 50257 <= padded.vocab_size < 50257 + 256
+    assert train.Config(strategy="fsdp2", model="gpt2-124m").model_config() == preset("gpt2-124m")
+    assert train.Config(strategy="tp_pp", model="tiny", tp=2).model_config() == preset("tiny")
+    # small's 50,304 rows split over tp 2 already: its tp_pp runs train the model ddp trains
+    assert train.Config(strategy="tp_pp", model="small", tp=2).model_config() == preset("small")
+
+
+def test_generate_never_draws_a_padded_row():
+    from day28_gpt125m.recipe import generate
+    from dtl.data import ByteTokenizer
+    from dtl.model import GPT
+
+    gpt = GPT(preset("tiny", vocab_size=384), seed=0)
+    with torch.no_grad():
+        gpt.lm_head.weight[256:] += 100.0
+    assert generate(gpt, ByteTokenizer(), "ab", 8).startswith("ab")

@@ -3,6 +3,7 @@ layers match a dense MLP on CPU under the shim, and the shim undoes itself and r
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 pytest.importorskip(
@@ -323,3 +324,37 @@ def test_optimizer_shim_names_cpu_tensors_as_cuda_only_inside_and_leaves_casts_a
         with dm.cpu_shim():  # nested under the TorchFunctionMode: answered once, not twice
             assert t.type() == "torch.cuda.FloatTensor"
     assert t.type() == "torch.FloatTensor"
+
+
+def _run_as(monkeypatch, backend):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+
+
+def test_shims_are_active_for_a_gloo_run_on_a_gpu_machine(monkeypatch):
+    # the shims follow the run's device, not "is CUDA present"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _run_as(monkeypatch, "gloo")
+    assert dm.run_on_cpu()
+    assert dm.shim_state() == "active: the run's device is the CPU (gloo)"
+    originals = _patched_names()
+    with dm.cpu_shim():
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert all(a is b for a, b in zip(_patched_names(), originals))
+    with dm.optimizer_shim():
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_shims_do_nothing_for_an_nccl_run(monkeypatch):
+    _run_as(monkeypatch, "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")  # not even the version gate runs
+    assert not dm.run_on_cpu()
+    assert dm.shim_state() == "inactive: the run's device is cuda:0 (nccl)"
+    originals = _patched_names()
+    with dm.cpu_shim(), dm.optimizer_shim():
+        assert all(a is b for a, b in zip(_patched_names(), originals))
+        assert torch.overrides._get_current_function_mode_stack() == []
+        assert torch.ones(1).type() == "torch.FloatTensor"
