@@ -3,9 +3,12 @@
     python -m dtl.tour              # CPU lines (gloo), or GPU lines when >= 2 GPUs are visible
     python -m dtl.tour --day 15     # one day
     python -m dtl.tour --cpu        # force the CPU lines
-    python -m dtl.tour --gpu-check  # `make gpu-check`: every GPU line on the GPUs present
+    python -m dtl.tour --gpu-check --budget_s=480 [--dry-run]
+                                    # `make gpu-check`: the GPU lines that matter most, first,
+                                    # inside a time budget (dtl/gpu_check.py, lessons.toml)
+    python -m dtl.tour --gpu-all    # every GPU line on the GPUs present, one included
 
---gpu-check runs every registered GPU launch line (benchmarks shrunk by their smoke_args) on
+--gpu-all runs every registered GPU launch line (benchmarks shrunk by their smoke_args) on
 however many GPUs this machine has, one included; a line that needs more GPUs than present
 (`min_gpus` in lessons.toml) is shown as SKIP with the reason, never as PASS.
 Each run's full output is kept in outputs/tour/<day>-<run>.log.
@@ -20,7 +23,7 @@ import time
 
 import torch
 
-from dtl import registry
+from dtl import gpu_check, registry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,17 +32,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU launch lines even with GPUs")
     parser.add_argument("--benchmarks", action="store_true", help="also the long benchmark runs")
     parser.add_argument(
-        "--gpu-check", action="store_true", help="every GPU line on the GPUs present (1 or more)"
+        "--gpu-check", action="store_true", help="the time-boxed GPU check (lessons.toml plan)"
+    )
+    parser.add_argument("--budget_s", type=float, default=480, help="the GPU check's budget")
+    parser.add_argument("--dry-run", action="store_true", help="print the GPU check's plan only")
+    parser.add_argument("--out", default=None, help="the GPU check's folder")
+    parser.add_argument(
+        "--gpu-all", action="store_true", help="every GPU line on the GPUs present (1 or more)"
     )
     args = parser.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu = args.gpu_check or (not args.cpu and n_gpus >= 2)
+    if args.gpu_check:
+        out = args.out or os.path.join(registry.REPO_ROOT, "outputs", "gpu_check")
+        return gpu_check.main(args.budget_s, args.dry_run, out, n_gpus)
+    gpu = args.gpu_all or (not args.cpu and n_gpus >= 2)
     lessons = [x for x in registry.load() if not args.day or x.day in args.day]
     if not lessons:
         raise SystemExit(f"error: no lesson for day(s) {args.day} in lessons.toml")
     log_dir = os.path.join(registry.REPO_ROOT, "outputs", "tour")
     os.makedirs(log_dir, exist_ok=True)
-    every = args.benchmarks or args.gpu_check
+    every = args.benchmarks or args.gpu_all
     runs = [(x, r) for x in lessons for r in x.runs if every or r.kind == "lesson"]
     left_out = sum(len(x.runs) for x in lessons) - len(runs)
     where = f"GPU launch lines on {n_gpus} GPU(s)" if gpu else "CPU launch lines"
@@ -49,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results, start = [], time.monotonic()
     for lesson, run in runs:
-        results.append(_run_one(lesson, run, gpu, n_gpus, smoke=args.gpu_check, log_dir=log_dir))
+        results.append(_run_one(lesson, run, gpu, n_gpus, smoke=args.gpu_all, log_dir=log_dir))
     print(table(results))
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(

@@ -75,12 +75,12 @@ def test_tour_table_shows_summary_pass_fail_and_skip():
     assert crashed.status == "FAIL" and not crashed.ok
 
 
-def test_gpu_check_without_enough_gpus_shows_skip_with_the_reason_never_pass(capsys):
+def test_gpu_all_without_enough_gpus_shows_skip_with_the_reason_never_pass(capsys):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has GPUs: make gpu-check would really run the lines")
-    assert tour.main(["--gpu-check", "--day", "17"]) == 0
+        pytest.skip("this machine has GPUs: make gpu-all would really run the lines")
+    assert tour.main(["--gpu-all", "--day", "17"]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("17 ")]
     assert len(rows) == len(next(x for x in LESSONS if x.day == 17).runs)
