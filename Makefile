@@ -22,6 +22,7 @@ STAMP   ?= $(if $(IN_VENV),$(VENV)/.installed,.dtl-installed/$(subst /,_,$(PY)))
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 WHEELS  ?=
+EXTRAS  ?= dev,deepspeed,megatron
 VENV_FLAGS ?=
 PYTEST_ARGS ?=
 BUDGET_S ?= 480
@@ -42,7 +43,7 @@ export PATH := $(abspath $(dir $(shell command -v $(PY) 2>/dev/null || echo $(PY
 # a new day package needs the editable install redone (its finder maps the packages it knew)
 $(STAMP): pyproject.toml Makefile tools/install.sh tools/warm_deepspeed_ops.py $(wildcard day*/__init__.py)
 	PY="$(PY)" STAMP="$(STAMP)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" WHEELS="$(WHEELS)" \
-		VENV_FLAGS="$(VENV_FLAGS)" bash tools/install.sh
+		VENV_FLAGS="$(VENV_FLAGS)" EXTRAS="$(EXTRAS)" bash tools/install.sh
 
 install: $(STAMP)
 
@@ -59,10 +60,12 @@ gpu-all: $(STAMP)
 	$(PY) -m dtl.tour --gpu-all
 
 # on a connected machine: every wheel but torch for the Python and platform of the offline box
-# (WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64; HAVE=freeze.txt skips what it has)
+# (WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64; HAVE=freeze.txt skips what it has;
+# WHEEL_EXTRAS=deepspeed,megatron leaves out pytest and ruff)
 wheelhouse: $(STAMP)
 	$(PY) tools/wheelhouse.py --out wheelhouse $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) \
-		$(if $(WHEEL_PLATFORM),--platform $(WHEEL_PLATFORM)) $(if $(HAVE),--have $(HAVE))
+		$(if $(WHEEL_PLATFORM),--platform $(WHEEL_PLATFORM)) $(if $(HAVE),--have $(HAVE)) \
+		$(if $(WHEEL_EXTRAS),--extras $(WHEEL_EXTRAS))
 
 lint: $(STAMP)
 	$(PY) -m ruff check dtl day* tests tools

