@@ -86,6 +86,41 @@ def use_run_accelerator(device_type: str) -> None:
     os.environ["DS_ACCELERATOR"] = want  # also what DeepSpeed's own subprocesses inherit
 
 
+def import_deepspeed(device_type: str):
+    """DeepSpeed, imported with the run's accelerator (`use_run_accelerator`) and with its
+    zero.Init honouring the dtype it is given (`_honour_zero_init_dtype`). Every day that builds
+    a DeepSpeed engine imports it through here."""
+    use_run_accelerator(device_type)
+    import deepspeed
+
+    _honour_zero_init_dtype(deepspeed.zero.Init)
+    return deepspeed
+
+
+def _honour_zero_init_dtype(init_cls) -> None:
+    """DeepSpeed 0.19.8's zero.Init._set_dtype reads `dtype or torch.float16 if fp16 else ...`,
+    which Python groups as `(dtype or fp16) if fp16 else (bf16 ...)`: on an accelerator without
+    fp16 (a CPU whose `torch.ops.mkldnn._is_mkldnn_fp16_supported()` is False, an AMD EPYC say)
+    the dtype given is dropped for bf16. deepspeed.initialize gives ZeRO-3 the model's dtype,
+    so fp32 parameters offloaded to NVMe got bf16 swap buffers and came back bf16 ("expected m1
+    and m2 to have the same dtype"). Patched only where the source still has that line, so a
+    fixed DeepSpeed runs untouched; a given dtype is kept, the rest is DeepSpeed's own rule."""
+    original = init_cls._set_dtype
+    if getattr(original, "_dtl_honours_dtype", False):
+        return
+    if "dtype or torch.float16 if" not in inspect.getsource(original):
+        return
+
+    def _set_dtype(self, ds_config, dtype):
+        if dtype is not None:  # as DeepSpeed does where fp16 is supported (a GPU)
+            self.dtype = dtype
+        else:
+            original(self, ds_config, dtype)
+
+    _set_dtype._dtl_honours_dtype = True
+    init_cls._set_dtype = _set_dtype
+
+
 def require_deepspeed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise DsConfigError(
@@ -249,8 +284,7 @@ class DeepSpeedZero(Trainer):
         super().__init__(gpt, stage, group, opt, no_sync)
         if group is not None:
             raise ValueError("the DeepSpeed path trains over the whole world (no sub-group)")
-        use_run_accelerator(next(gpt.parameters()).device.type)  # the model is on the run's
-        import deepspeed
+        deepspeed = import_deepspeed(next(gpt.parameters()).device.type)  # the model's device
 
         self.ds_config = ds_config
         self.engine, *_ = deepspeed.initialize(

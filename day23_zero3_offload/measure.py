@@ -31,6 +31,7 @@ attributes point at real GPU and host tensors. NVMe bytes are always real files.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -48,6 +49,21 @@ def swap_folder(engine) -> str | None:
         if section is not None and section.device == "nvme" and section.nvme_path:
             return os.path.join(str(section.nvme_path), "zero_stage_3")
     return None
+
+
+def clear_swap_files(ds: dict, rank: int) -> None:
+    """Remove this rank's swap files left in the ds_config's nvme_path by an earlier run (another
+    model or template writes other file names, and swap_files would count them too). DeepSpeed
+    writes them afresh when the engine is built; call it before."""
+    zero = ds.get("zero_optimization", {})
+    for section in ("offload_param", "offload_optimizer"):
+        conf = zero.get(section) or {}
+        if conf.get("device") != "nvme" or not conf.get("nvme_path"):
+            continue
+        folder = os.path.join(str(conf["nvme_path"]), "zero_stage_3")
+        for root, dirs, _ in os.walk(folder):
+            if f"rank{rank}" in dirs:
+                shutil.rmtree(os.path.join(root, f"rank{rank}"), ignore_errors=True)
 
 
 def swap_files(folder: str | None, rank: int) -> dict[str, int]:

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from day18_zero.ds_engine import DsConfigError, planned_device_type, use_run_accelerator
+from day18_zero.ds_engine import (
+    DsConfigError,
+    import_deepspeed,
+    planned_device_type,
+    use_run_accelerator,
+)
 from day23_zero3_offload import explain, measure
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -121,9 +126,7 @@ def optimizer_settings(ds: dict) -> dict:
 def build_engine(cfg: Config, ds: dict, device):
     """deepspeed.initialize on the dtl GPT, with Megatron's decay groups (matrices only), on the
     run's `device`: DeepSpeed moves the module there itself (its accelerator, set to match)."""
-    use_run_accelerator(device.type)
-    import deepspeed
-
+    deepspeed = import_deepspeed(device.type)
     gpt = GPT(cfg.model_config(), seed=cfg.seed)
     wd = optimizer_settings(ds)["weight_decay"]
     engine, *_ = deepspeed.initialize(
@@ -167,7 +170,9 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
     ds = ds or cfg.load_ds_config()
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
-    engine = engine or build_engine(cfg, ds, info.device)
+    if engine is None:
+        measure.clear_swap_files(ds, info.rank)  # another run's files would be counted too
+        engine = build_engine(cfg, ds, info.device)
     peak = measure.PeakGathered(engine)  # the gathered parameters' high-water mark
     first_step, states = 0, {}
     if cfg.resume:

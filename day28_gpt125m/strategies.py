@@ -151,11 +151,9 @@ class DeepSpeedZero3(Strategy):
     name = "zero3"
 
     def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int, device):
-        from day18_zero.ds_engine import use_run_accelerator
+        from day18_zero.ds_engine import import_deepspeed
 
-        use_run_accelerator(device.type)  # DeepSpeed's device = the run's, set before its import
-        import deepspeed
-
+        deepspeed = import_deepspeed(device.type)  # its accelerator = the run's device
         from dtl.model import optimizer_groups
 
         self.r = r

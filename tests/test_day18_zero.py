@@ -575,3 +575,25 @@ def test_deepspeed_takes_the_cpu_accelerator_for_a_gloo_run_on_a_gpu_machine():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
     assert "accelerator cpu" in out.stdout, out.stdout + out.stderr
+
+
+def test_zero_init_keeps_the_dtype_it_is_given_on_a_cpu_without_fp16_kernels():
+    # DeepSpeed 0.19.8 drops a given dtype for bf16 where its accelerator has no fp16 (this AMD
+    # CPU, say); import_deepspeed patches that one rule. The accelerator is made to say "no
+    # fp16" so the test proves the same thing on a CPU that has it.
+    from day18_zero.ds_engine import import_deepspeed
+
+    deepspeed = import_deepspeed("cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    init = deepspeed.zero.Init.__new__(deepspeed.zero.Init)
+    accel = get_accelerator()
+    saved = accel.is_fp16_supported
+    accel.is_fp16_supported = lambda: False
+    try:
+        init._set_dtype(None, torch.float32)
+        assert init.dtype == torch.float32
+        init._set_dtype(None, None)  # no dtype given: DeepSpeed's own default rule
+        assert init.dtype == torch.bfloat16
+    finally:
+        accel.is_fp16_supported = saved
