@@ -1,9 +1,6 @@
 """Day 15: every collective against its closed form (world and sub-groups, 2 and 4 ranks), DDP
 against a single process, and the MNIST loader against the official counts."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from day15_collectives import collectives, ddp_mnist
 from dtl import data
+from dtl.script_server import run_script
 from dtl.testing import reference_train, run_distributed
 
 
@@ -193,13 +191,8 @@ def test_mnist_idx_files_round_trip(tmp_path):
     ],
 )
 def test_ddp_mnist_bad_input_is_a_one_line_error_before_any_process_group(args, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "day15_collectives.ddp_mnist", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
+    proc = run_script("day15_collectives.ddp_mnist", *args, timeout_s=60)
+    assert proc.code == 2 and not proc.group
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""

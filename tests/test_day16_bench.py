@@ -25,6 +25,7 @@ from day16_nccl import (
 )
 from dtl import config as dtl_config
 from dtl import registry
+from dtl.script_server import run_script
 from dtl.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,14 +112,8 @@ def test_flight_recorder_report_names_the_rank_behind(tmp_path):
 
 
 def test_bad_size_is_one_line_on_stderr_before_any_process_group():
-    proc = subprocess.run(
-        [sys.executable, "-m", "day16_nccl.bench", "--min_bytes=0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
+    proc = run_script("day16_nccl.bench", "--min_bytes=0", cwd=ROOT, timeout_s=60)
+    assert proc.code == 2 and not proc.group
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: bad sizes")
 
 

@@ -25,6 +25,7 @@ from dtl import profile
 from dtl.comm import CommCounter
 from dtl.data import get_batch
 from dtl.model import GPT, loss_fn, preset
+from dtl.script_server import run_script
 from dtl.testing import flat_params, reference_train, run_distributed, script_error
 
 CFG = preset("tiny")
@@ -364,14 +365,13 @@ def test_timeline_is_the_second_profiled_step_and_the_optimizer_waits_for_the_al
     sync, tmp_path
 ):
     out = tmp_path / sync
-    proc = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-         "--nproc_per_node=2", "-m", "day17_ddp.train", f"--sync={sync}", "--model=tiny",
-         "--seq_len=32", "--steps=4", "--warmup=1", "--profile_step=1", f"--out_dir={out}"],
-        capture_output=True, text=True, timeout=180,
+    proc = run_script(  # torchrun, forked from dtl.script_server
+        "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "day17_ddp.train",
+        f"--sync={sync}", "--model=tiny", "--seq_len=32", "--steps=4", "--warmup=1",
+        "--profile_step=1", f"--out_dir={out}", argv0="torchrun", timeout_s=180,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.code == 0, proc.stderr[-2000:]
     trace = str(out / "traces" / "rank0.json")
     spans = profile.parse_trace(trace)
     steps = sorted((x for x in spans if x.name == observe.STEP_MARK), key=lambda x: x.start_ms)
@@ -503,8 +503,7 @@ def test_cuda_timeline_reads_backward_compute_and_all_reduces_from_the_gpu_kerne
 
 
 def test_beyond_on_one_rank_says_skipped_and_exits_0(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "day17_ddp.beyond", f"--out_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_script("day17_ddp.beyond", f"--out_dir={tmp_path}", timeout_s=120,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.code == 0, proc.stderr[-2000:]
     assert any(ln.startswith("skipped: needs 2 ranks") for ln in proc.stdout.splitlines())

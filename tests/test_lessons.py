@@ -12,6 +12,7 @@ import time
 import pytest
 
 from dtl import registry, tour
+from dtl.script_server import run_script
 
 LESSONS = registry.load()
 RUNS = [(lesson, run) for lesson in LESSONS for run in lesson.runs]
@@ -21,7 +22,7 @@ RUNS = [(lesson, run) for lesson in LESSONS for run in lesson.runs]
 @pytest.mark.parametrize("lesson, run", RUNS, ids=[f"day{x.day}-{r.name}" for x, r in RUNS])
 def test_cpu_launch_line_runs_and_prints_its_summary(lesson, run):
     # a benchmark runs as documented but shrunk by its smoke_args (they override the config)
-    result = registry.execute(lesson, run, extra_args=run.smoke_args)
+    result = registry.execute(lesson, run, extra_args=run.smoke_args, prewarmed=True)
     line = f"{run.cpu} {run.smoke_args}".strip()
     tail = "\n".join(result.output.splitlines()[-25:])
     if result.status == "SKIP":  # e.g. DataParallel without 2 GPUs: said, not passed
@@ -55,9 +56,14 @@ def test_every_lesson_has_notes_and_launch_lines_that_name_real_modules(lesson):
             re.compile(pattern)
 
 
-def test_benchmarks_carry_smoke_args_and_lessons_do_not():
+def test_benchmarks_carry_smoke_args_and_lessons_shrink_only_sizes():
     for _, run in RUNS:
-        assert bool(run.smoke_args) == (run.kind == "benchmark"), run.name
+        if run.kind == "benchmark":
+            assert run.smoke_args, run.name
+            continue
+        for word in shlex.split(run.smoke_args):
+            key = word.removeprefix("--").split("=")[0]
+            assert key in registry.SIZE_KEYS, f"{run.name}: smoke_args may set sizes only: {word}"
 
 
 def test_tour_table_shows_summary_pass_fail_and_skip():
@@ -96,24 +102,22 @@ SCRIPTS = sorted(
 
 @pytest.mark.parametrize("module", SCRIPTS)
 def test_every_script_answers_help_before_any_process_group(module):
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: "), proc.stdout[:300]
-    options = [ln for ln in proc.stdout.splitlines() if ln.startswith("  --") and "=" in ln]
+    out = run_script(module, "--help", timeout_s=60)
+    assert out.code == 0 and out.stderr == "", out.stderr[-2000:]
+    assert not out.group, f"{module} --help created a process group"
+    assert out.stdout.startswith("usage: "), out.stdout[:300]
+    options = [ln for ln in out.stdout.splitlines() if ln.startswith("  --") and "=" in ln]
     for line in options:  # every field: a flag, a one-line description and its default
         flag, _, doc = line.strip().partition("  ")
         assert doc.strip() and not doc.strip().startswith("(default"), f"{module}: {line}"
 
 
-def test_a_launch_line_that_times_out_leaves_no_workers_behind():
+@pytest.mark.parametrize("prewarmed", [False, True], ids=["torchrun", "prewarmed"])
+def test_a_launch_line_that_times_out_leaves_no_workers_behind(prewarmed):
     lesson = next(x for x in LESSONS if x.day == 15)
     run = next(r for r in lesson.runs if r.name == "ddp_mnist")
     slow = registry.Run(run.name, run.cpu, run.gpu, run.expect, timeout_s=8)
-    result = registry.execute(lesson, slow)
+    result = registry.execute(lesson, slow, prewarmed=prewarmed)
     assert result.returncode == 124 and "[timed out after 8 s]" in result.output
     for _ in range(20):  # torchrun's workers live in their own sessions: they must be gone too
         alive = subprocess.run(["pgrep", "-f", "day15_collectives.ddp_mnist"], capture_output=True)
