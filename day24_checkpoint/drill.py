@@ -40,6 +40,7 @@ import torch
 
 from dtl import config as dtl_config
 from dtl.registry import child_env
+from dtl.script_server import run_fresh
 
 DRILLS = ("kill_rank", "kill_during_save", "corrupt_shard", "elastic")
 BACKENDS = ("gloo", "auto")
@@ -121,28 +122,13 @@ def clean_env(backend: str = FORCED_BACKEND, **extra) -> dict:
     return child_env(**forced, **extra)
 
 
-def torchrun(launch: list[str], train: list[str], out_dir: str, timeout_s=180, env=None) -> Run:
-    """Run `torchrun <launch> -m day24_checkpoint.train <train>` into a fresh out_dir."""
-    shutil.rmtree(out_dir, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *launch,
-        "-m",
-        "day24_checkpoint.train",
-        f"--out_dir={out_dir}",
-        *train,
-    ]
-    t0 = time.perf_counter()
-    env = env or clean_env()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    return Run(proc.returncode, proc.stdout + proc.stderr, out_dir, time.perf_counter() - t0)
-
-
 class Drills:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    """The drills of one Config. `run_module` starts `python -m <module> <args>` and returns a
+    dtl.script_server.ScriptRun: a fresh interpreter by default (run_fresh); the tests hand it
+    run_script, the same job forked from an interpreter that imported torch already."""
+
+    def __init__(self, cfg: Config, run_module=run_fresh):
+        self.cfg, self.run_module = cfg, run_module
         self.common = [
             f"--parallel={cfg.parallel}",
             f"--steps={cfg.steps}",
@@ -157,12 +143,20 @@ class Drills:
     def path(self, name: str) -> str:
         return os.path.join(self.cfg.out_dir, name)
 
+    def torchrun(self, launch: list[str], train: list[str], out_dir: str, timeout_s=180) -> Run:
+        """Run `torchrun <launch> -m day24_checkpoint.train <train>` into a fresh out_dir."""
+        shutil.rmtree(out_dir, ignore_errors=True)
+        args = [*launch, "-m", "day24_checkpoint.train", f"--out_dir={out_dir}", *train]
+        t0 = time.perf_counter()
+        done = self.run_module(
+            "torch.distributed.run", *args, env=self.env, timeout_s=timeout_s, argv0="torchrun"
+        )
+        return Run(done.code, done.stdout + done.stderr, out_dir, time.perf_counter() - t0)
+
     def reference(self) -> Run:
         """The uninterrupted run every drill is compared with (run once)."""
         if self._reference is None:
-            self._reference = torchrun(
-                self.standalone, self.common, self.path("reference"), env=self.env
-            )
+            self._reference = self.torchrun(self.standalone, self.common, self.path("reference"))
             if self._reference.returncode != 0 or self._reference.sha is None:
                 raise RuntimeError(f"the reference run failed:\n{self._reference.output[-2000:]}")
         return self._reference
@@ -173,11 +167,10 @@ class Drills:
 
     # --- the drills --------------------------------------------------------------------------
     def kill_rank(self, step: int) -> dict:
-        run = torchrun(
+        run = self.torchrun(
             [*self.standalone, "--max-restarts=1"],
             [*self.common, f"--fail_at_step={step}"],
             self.path(f"kill_rank_{step}"),
-            env=self.env,
         )
         expected = step // self.cfg.save_every * self.cfg.save_every
         return dict(
@@ -193,11 +186,10 @@ class Drills:
 
     def kill_during_save(self) -> dict:
         step = 2 * self.cfg.save_every  # the second checkpoint: the first one must be loaded
-        run = torchrun(
+        run = self.torchrun(
             [*self.standalone, "--max-restarts=1"],
             [*self.common, f"--fail_during_save={step}"],
             self.path("kill_during_save"),
-            env=self.env,
         )
         expected = step - self.cfg.save_every
         return dict(
@@ -229,18 +221,13 @@ class Drills:
                     byte = f.read(1)
                     f.seek(-1, 1)
                     f.write(bytes([byte[0] ^ 0xFF]))
-            cmd = [
-                sys.executable,
-                "-m",
-                "day24_checkpoint.train",
-                f"--out_dir={root}",
-                *self.common[:3],
-                "--resume=latest",
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self.env)
+            proc = self.run_module(
+                "day24_checkpoint.train", f"--out_dir={root}", *self.common[:3],
+                "--resume=latest", env=self.env, timeout_s=120,
+            )  # fmt: skip
             lines = proc.stderr.strip().splitlines()
             results[damage] = dict(
-                code=proc.returncode,
+                code=proc.code,
                 line=lines[-1] if lines else "",
                 one_line=len(lines) == 1,
                 names_file=shard in proc.stderr,

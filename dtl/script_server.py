@@ -202,6 +202,36 @@ def run_script(
 atexit.register(_stop_server)
 
 
+def run_fresh(
+    module: str,
+    *args: str,
+    env: dict | None = None,
+    cwd: str = REPO_ROOT,
+    timeout_s: float = 120,
+    merge: bool = False,
+    argv0: str | None = None,
+) -> ScriptRun:
+    """run_script's twin in a fresh interpreter (`python -m module args`, a subprocess): what a
+    lesson that starts jobs of its own uses; its tests may hand it run_script instead.
+    `argv0` is accepted for the same signature (a fresh process names itself)."""
+    del argv0
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=cwd, env=dict(env or os.environ),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            text=True, timeout=timeout_s,
+        )  # fmt: skip
+        code, out, err = proc.returncode, proc.stdout, proc.stderr or ""
+    except subprocess.TimeoutExpired as e:
+        code, out, err = 124, _text(e.stdout), _text(e.stderr)
+    return ScriptRun(code, out, err, False, time.monotonic() - start)
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
 def serve() -> None:
     for name in PRELOAD:
         __import__(name)

@@ -23,6 +23,7 @@ from day24_checkpoint.drill import Config as DrillConfig
 from day24_checkpoint.drill import Drills
 from day24_checkpoint.train import Config, build
 from dtl.data import get_batch
+from dtl.script_server import run_script
 from dtl.testing import run_distributed, script_error
 
 TOKENS = np.arange(5000, dtype=np.int64) % 256
@@ -257,7 +258,8 @@ def test_rng_state_round_trips_as_bytes():
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("drills"))
-    return Drills(DrillConfig(out_dir=out, steps=10, save_every=3))
+    # each job forked from an interpreter that imported torch already (dtl.script_server)
+    return Drills(DrillConfig(out_dir=out, steps=10, save_every=3), run_module=run_script)
 
 
 def test_a_rank_killed_mid_training_resumes_bit_identical_under_max_restarts(drills):
