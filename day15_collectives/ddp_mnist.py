@@ -34,7 +34,7 @@ from dtl import config as dtl_config
 from dtl import data as dtl_data
 from dtl import dist as dtl_dist
 from dtl.metrics import StepLogger
-from dtl.testing import replica_gap
+from dtl.reference import replica_gap
 
 
 @dataclass

@@ -28,8 +28,8 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.model import GPT, loss_fn, preset
+from dtl.reference import params_gap
 from dtl.registry import SKIP_PREFIX
-from dtl.testing import params_gap
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dtl.data import load_corpus
 from dtl.metrics import write_csv
 from dtl.model import preset
 from dtl.profile import StepTimes
-from dtl.testing import replica_gap
+from dtl.reference import replica_gap
 
 # (row name, overrides of train.Config): every sync mode at the defaults (1 MiB first bucket,
 # 25 MiB cap), then DDP-style caps (bucket_cap_mb=X sets the first bucket to X too), then DDP's

@@ -34,7 +34,7 @@ from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, loss_fn, preset
 from dtl.profile import StepTimes, overlap_fraction, quiet_native_stderr
-from dtl.testing import replica_gap
+from dtl.reference import replica_gap
 
 
 @dataclass

@@ -20,17 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from day18_zero import engines
-from day18_zero.ds_engine import (
-    DsConfigError,
-    default_ds_config_path,
-    load_ds_config,
-    planned_device_type,
-)
+from day18_zero.ds_engine import default_ds_config_path
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
+from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
+from dtl.optim import OptimConfig
 
 # pair name -> (A, B): (impl, stage) of the two trainers compared
 PAIRS = {
@@ -76,7 +73,7 @@ class Config:
             micro_batch=self.batch_size,
             grad_accum=1,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            opt=engines.OptimConfig(),
+            opt=OptimConfig(),
             dtype=self.dtype,
             device_type=device_type,
         )
@@ -92,7 +89,7 @@ def make_trainer(cfg: Config, pair: str, impl: str, stage: int, device) -> engin
         stage,
         gpt,
         None,
-        engines.OptimConfig(),
+        OptimConfig(),
         ds_config=getattr(cfg, "ds", None) if impl == "deepspeed" else None,
     )
 

@@ -2,7 +2,7 @@
 
     trainer = build("hand", stage=2, gpt=gpt, group=None, opt=OptimConfig(lr=1e-3))
     loss = trainer.step([(x0, y0), (x1, y1)])   # zero grads, micro-steps, optimizer step
-    trainer.state_bytes()                       # {"params", "grads", "optim"}: this rank, now
+    trainer.state_bytes()                       # dtl.state.StateBytes: this rank, now
     trainer.full_parameters()                   # name -> full tensor (collective)
 
 impl × stage:
@@ -10,135 +10,22 @@ impl × stage:
     torch      0: DDP   1: DDP + ZeroRedundancyOptimizer   2: FSDP2 fully_shard with
                reshard_after_forward=False (SHARD_GRAD_OP)   3: FSDP2 fully_shard
     deepspeed  0/1/2/3: deepspeed.initialize with ds_config_zero<stage>.json (ds_engine.py)
+
+The interface they share, Trainer, is trainer.py.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtl.model import loss_fn
+from day18_zero.trainer import Trainer
+from dtl.optim import OptimConfig
+from dtl.state import StateBytes, live_state_bytes, nbytes
 
 IMPLS = ("hand", "torch", "deepspeed")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW's settings, shared by every implementation (and written into the ds_config).
-
-    name="sgd" (momentum 0.9) is for tests: Adam divides by sqrt(v), so a gradient off by a
-    constant factor (a sum where a mean belongs) gives the same update; SGD's update shows it.
-    """
-
-    lr: float = 1e-3
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    name: str = "adamw"
-
-    @property
-    def cls(self) -> type[torch.optim.Optimizer]:
-        return torch.optim.SGD if self.name == "sgd" else torch.optim.AdamW
-
-    def kwargs(self) -> dict:
-        if self.name == "sgd":
-            return dict(lr=self.lr, momentum=0.9)
-        return dict(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay, betas=self.betas)
-
-    def make(self, params) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs())
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if hasattr(t, "to_local"):  # a DTensor (FSDP2): only this rank's shard is in memory
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-    )
-
-
-def live_state_bytes(params, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Count, from the tensors themselves, what this rank holds right now."""
-    params = list(params)
-    return dict(
-        params=sum(nbytes(p) for p in params),
-        grads=sum(nbytes(p.grad) for p in params),
-        optim=optimizer_state_bytes(optimizer),
-    )
-
-
-class Trainer:
-    """Drives one implementation: subclasses fill in the four hooks below."""
-
-    impl = ""
-    label = ""
-    # which row of the paper's table this implementation's memory follows, and why not if not
-    formula_note = ""
-
-    def formula_stage(self) -> int:
-        return self.stage
-
-    def precision(self, dtype: str) -> str:
-        return "mixed" if dtype == "bf16" else "fp32"
-
-    def __init__(self, gpt: nn.Module, stage: int, group, opt: OptimConfig, no_sync: bool):
-        self.gpt, self.stage, self.group, self.opt_cfg = gpt, stage, group, opt
-        self.no_sync = no_sync  # accumulate micro-steps without communication
-        self.bytes_before_step: dict[str, int] = {}
-
-    def step(self, micro_batches) -> float:
-        """One optimizer step over the micro-batches; returns this rank's mean loss over them
-        (dtl.dist.all_reduce_scalar(..., average=True) makes it the global batch's loss).
-
-        The model state is counted just before the optimizer step, when all three kinds exist:
-        the gradients of this step and the optimizer state of the previous ones.
-        """
-        self.zero_grad()
-        total, k = 0.0, len(micro_batches)
-        for m, (x, y) in enumerate(micro_batches):
-            last = m == k - 1
-            with self.accumulating(last):
-                loss = loss_fn(self.forward(x), y)
-                self.backward(loss, k)
-            total += loss.item()
-        self.bytes_before_step = self.state_bytes()
-        self.optimizer_step()
-        return total / k
-
-    def forward(self, x):
-        return self.model(x)
-
-    def backward(self, loss, accum: int) -> None:
-        (loss / accum).backward()
-
-    def accumulating(self, last: bool):
-        return nullcontext()
-
-    def zero_grad(self) -> None:
-        raise NotImplementedError
-
-    def optimizer_step(self) -> None:
-        raise NotImplementedError
-
-    def state_bytes(self) -> dict[str, int]:
-        raise NotImplementedError
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def padded_numel(self) -> int:
-        """Elements the collectives move per pass (Ψ plus the implementation's padding)."""
-        return sum(p.numel() for p in self.gpt.parameters())
 
 
 # --- by hand --------------------------------------------------------------------------------------
@@ -197,9 +84,8 @@ class HandDDP(Trainer):
         self.optimizer.step()
 
     def state_bytes(self):
-        out = live_state_bytes(self.gpt.parameters(), self.optimizer)
-        out["grads"] += sum(nbytes(b) for b in self.model.buffers)  # the buckets: a 2nd copy
-        return out
+        buckets = sum(nbytes(b) for b in self.model.buffers)  # the buckets: a 2nd gradient copy
+        return live_state_bytes(self.gpt.parameters(), self.optimizer) + StateBytes(grads=buckets)
 
     def full_parameters(self):
         return {n: p.detach().clone() for n, p in self.gpt.named_parameters()}

@@ -25,6 +25,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
+from dtl.optim import OptimConfig
 
 FORMULA_NS = (8, 64, 1024)
 MB = 1e6
@@ -61,7 +62,7 @@ def measure(cfg: Config, stage: int, dtype: torch.dtype, group, device) -> dict[
     """Two hand-ZeRO steps on `group`; this rank's state bytes before the second step's update
     (the optimizer state exists from the first step on)."""
     gpt = GPT(preset(cfg.model), seed=0).to(device=device, dtype=dtype)
-    trainer = engines.HandZero(gpt, max(stage, 1), group, engines.OptimConfig(), no_sync=True)
+    trainer = engines.HandZero(gpt, max(stage, 1), group, OptimConfig(), no_sync=True)
     vocab = preset(cfg.model).vocab_size
     for step in range(2):
         g = torch.Generator().manual_seed(step)

@@ -10,7 +10,7 @@ GPUs (NCCL, one process per GPU):
         --config day18_zero/gpu.toml
 
 Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it).
-DS_ACCELERATOR is set from the run's device (ds_engine.use_run_accelerator): cpu for a gloo run,
+DS_ACCELERATOR is set from the run's device (dtl.deepspeed.use_run_accelerator): cpu for a gloo run,
 on a GPU machine too, cuda under NCCL.
 
 Each step prints the loss of the global batch, this rank's bytes of parameters / gradients /
@@ -30,20 +30,17 @@ from dataclasses import dataclass
 import torch
 
 from day18_zero import engines, formulas
-from day18_zero.ds_engine import (
-    DsConfigError,
-    default_ds_config_path,
-    load_ds_config,
-    planned_device_type,
-)
+from day18_zero.ds_engine import default_ds_config_path
 from day18_zero.zero import STAGES as HAND_ZERO_STAGES
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
+from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.optim import OptimConfig
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 1e6
@@ -118,8 +115,8 @@ class Config:
         except DsConfigError as e:
             raise dtl_config.ConfigError(str(e)) from None
 
-    def optim(self) -> engines.OptimConfig:
-        return engines.OptimConfig(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+    def optim(self) -> OptimConfig:
+        return OptimConfig(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
 
 
 def micro_batches(tokens, cfg: Config, step: int, rank: int, world: int, device):
@@ -261,7 +258,7 @@ def report(cfg: Config, info, result: dict) -> bool:
         f"({_pct(total, formula_total)}); sent {sum(comm.values()) / MB:.3f} MB/step vs formula "
         f"{pred / MB:.3f} MB"
     )
-    return "NO" not in matches
+    return matches.ok
 
 
 def _print_per_rank_totals(total: int) -> None:
@@ -298,9 +295,9 @@ def _print_live_and_device_memory(t: engines.Trainer, info, formula_total: float
         )
 
 
-def _compare_with_one_process(cfg: Config, info, result) -> str:
+def _compare_with_one_process(cfg: Config, info, result) -> Verdict:
     if not cfg.check or cfg.dtype != "fp32":
-        return "one-process check skipped" + ("" if cfg.check else " (check=false)")
+        return Verdict.skip("one-process check skipped" + ("" if cfg.check else " (check=false)"))
     return reference_verdict(
         result["losses"],
         result["params"],

@@ -29,7 +29,7 @@ from day19_tp.tp import apply_tp, tp_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
 
@@ -115,7 +115,7 @@ def run_table(cfg: Config, info) -> list[dict]:
     return rows
 
 
-def _megatron_layer(grid, mcfg):
+def _megatron_layer(grid: ParallelGrid, mcfg):
     from megatron.core import tensor_parallel as mtp
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
 
 
@@ -221,7 +222,7 @@ def tp_loss(model: GPT, logits: torch.Tensor, targets: torch.Tensor, ignore_inde
 
 
 @torch.no_grad()
-def apply_tp(model: GPT, grid, *, pad_vocab: bool = False) -> GPT:
+def apply_tp(model: GPT, grid: ParallelGrid, *, pad_vocab: bool = False) -> GPT:
     """Turn the dense GPT into its tensor-parallel version over grid.tp_group, in place.
 
     Expects the one-process model (the same weights on every rank, e.g. GPT(cfg, seed)); each

@@ -33,10 +33,10 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
 
@@ -144,7 +144,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         + ")"
     )
     verdict = _compare(cfg, info, grid, result)
-    ok = "NO" not in verdict and result["n_params"] == want_params and got == want
+    ok = verdict.ok and result["n_params"] == want_params and got == want
     dtl_dist.print0(
         f"summary: day19 tp={t} dp={grid.dp_size} model={cfg.model}: {verdict}; params/rank "
         f"{result['n_params']:,} = formula {want_params:,}; TP comm {got / MB:.3f} MB/step vs "
@@ -153,9 +153,9 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     return ok
 
 
-def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
+def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> Verdict:
     if not cfg.check:
-        return "dense check skipped (check=false)"
+        return Verdict.skip("dense check skipped (check=false)")
 
     def dense_run():  # rank 0: the dense model in one process on the global batch
         losses, dense = one_process_gpt(

@@ -26,7 +26,7 @@ from day20_pp import schedules
 from day20_pp.pipeline import PipelineRunner, build_stages, stage_parameters
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import PRESETS, GPTConfig, preset
 
 RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day20_pp.schedules import Action, p2p_lane
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 
 
@@ -75,7 +76,7 @@ def build_stage(cfg: GPTConfig, stage: int, n_stages: int, seed: int) -> GPT:
     return gpt
 
 
-def build_stages(cfg: GPTConfig, grid, v: int, seed: int = 0) -> list[GPT]:
+def build_stages(cfg: GPTConfig, grid: ParallelGrid, v: int, seed: int = 0) -> list[GPT]:
     p, r = grid.pp_size, grid.pp_rank
     check_pipeline(cfg, p, v)
     return [build_stage(cfg, c * p + r, p * v, seed) for c in range(v)]
@@ -91,7 +92,12 @@ class StepRecord:
 
 class PipelineRunner:
     def __init__(
-        self, stages: list[GPT], grid, cfg: GPTConfig, micro_shape: tuple[int, int], loss=loss_fn
+        self,
+        stages: list[GPT],
+        grid: ParallelGrid,
+        cfg: GPTConfig,
+        micro_shape: tuple[int, int],
+        loss=loss_fn,
     ):
         self.stages, self.grid, self.cfg, self.loss_fn = stages, grid, cfg, loss
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
@@ -237,7 +243,7 @@ class Pipeline:
     def __init__(
         self,
         stages,
-        grid,
+        grid: ParallelGrid,
         cfg: GPTConfig,
         schedule: str,
         microbatches: int,
@@ -262,7 +268,7 @@ class Pipeline:
 
 def apply_pp(
     model: GPT,
-    grid,
+    grid: ParallelGrid,
     schedule: str,
     microbatches: int,
     micro_shape: tuple[int, int],
@@ -306,7 +312,7 @@ def _done(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _lane_groups(grid) -> dict:
+def _lane_groups(grid: ParallelGrid) -> dict:
     """Two process groups over this rank's pipeline: messages toward a higher pipeline rank
     ("up") and toward a lower one ("down"). Creating a group is collective, so every rank
     creates the pair for every pipeline, in the same order."""

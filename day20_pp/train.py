@@ -38,10 +38,10 @@ from day20_pp.pipeline import (
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, split_micro_batches
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import PRESETS, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Config:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
 
 
-def micro_batches(tokens, cfg: Config, step: int, grid, device):
+def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     rows = cfg.micro_batch_size * cfg.microbatches
     x, y = get_batch(
         tokens,
@@ -95,7 +95,7 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
     return split_micro_batches(x, y, cfg.micro_batch_size, device)
 
 
-def run(cfg: Config, info, grid) -> dict:
+def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
     stages = [s.to(info.device) for s in build_stages(mcfg, grid, cfg.chunks, cfg.seed)]
@@ -142,7 +142,7 @@ def run(cfg: Config, info, grid) -> dict:
     )
 
 
-def report(cfg: Config, info, grid, result: dict) -> bool:
+def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     p, m, v = grid.pp_size, cfg.microbatches, cfg.chunks
     ideal = schedules.simulate(result["actions"], v=v)
     formula = schedules.bubble_formula(cfg.schedule, p, m, v)
@@ -180,12 +180,12 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
         f"{verdict}; bubble formula {formula:.3f} = lists {ideal.bubble:.3f}; peak in flight "
         f"{max(peaks)} (lists {max(ideal.peak_in_flight())})"
     )
-    return "NO" not in verdict and peaks == ideal.peak_in_flight()
+    return verdict.ok and peaks == ideal.peak_in_flight()
 
 
-def _compare(cfg: Config, info, grid, result) -> str:
+def _compare(cfg: Config, info, grid: ParallelGrid, result) -> Verdict:
     if not cfg.check:
-        return "one-process check skipped (check=false)"
+        return Verdict.skip("one-process check skipped (check=false)")
     mine = {n: p.detach().cpu() for n, p in stage_parameters(result["stages"]).items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

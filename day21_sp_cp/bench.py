@@ -35,7 +35,7 @@ from day21_sp_cp.sp import apply_sp
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import cp_shard
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, preset
 from dtl.profile import hidden_fraction, parse_trace
 
@@ -80,7 +80,7 @@ def _qkv(cfg: Config, rank: int, cp: int, split: str):
     return [cp_shard(t, rank, cp, split, dim=2).requires_grad_() for t in full]
 
 
-def _ring_pass(cfg, grid, split, stats=None):
+def _ring_pass(cfg, grid: ParallelGrid, split, stats=None):
     q, k, v = _qkv(cfg, grid.cp_rank, grid.cp_size, split)
     out = ring_attention(q, k, v, grid.cp_group, split, True, stats)
     out.sum().backward()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from day21_sp_cp.ring_attention import RingAttention, RingStats
 from day21_sp_cp.ulysses import UlyssesAttention
 from dtl.data import cp_positions, cp_shard
+from dtl.grid import ParallelGrid
 from dtl.model import GPT
 
 ATTENTION = {  # --attn -> (how the sequence is split, the attention)
@@ -65,7 +66,9 @@ class CPInfo:
     stats: RingStats | None
 
 
-def apply_cp(model: GPT, grid, attn: str = "ring", stats: RingStats | None = None) -> GPT:
+def apply_cp(
+    model: GPT, grid: ParallelGrid, attn: str = "ring", stats: RingStats | None = None
+) -> GPT:
     """Give every attention layer of `model` the cp-parallel attention over grid.cp_group."""
     heads = model.blocks["0"].attn.n_local_heads  # per TP rank after apply_tp
     check_cp(heads, 1, grid.cp_size, None, attn)

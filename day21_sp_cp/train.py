@@ -37,10 +37,10 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import GPT, PRESETS, loss_fn, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
 CP_KINDS = ("send", "all_to_all")  # ring attention's p2p, Ulysses' all-to-alls: the cp group
@@ -213,7 +213,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
             )
     comm_ok = all(matches_formula(got[a], want[a]) for a in want)
     verdict = _compare(cfg, info, grid, result)
-    ok = "NO" not in verdict and comm_ok and act_err <= 0.10
+    ok = verdict.ok and comm_ok and act_err <= 0.10
     dtl_dist.print0(
         f"summary: day21 attn={cfg.attn} cp={cfg.cp} tp={cfg.tp} sp={str(cfg.sp).lower()} "
         f"dp={grid.dp_size} model={cfg.model}: {verdict}; comm = formula "
@@ -223,9 +223,9 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     return ok
 
 
-def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> str:
+def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> Verdict:
     if not cfg.check:
-        return "dense check skipped (check=false)"
+        return Verdict.skip("dense check skipped (check=false)")
 
     def dense_run():  # rank 0: the dense model in one process on the global batch
         losses, dense = one_process_gpt(

@@ -5,7 +5,7 @@ runs: the errors Megatron-LM's argument validation gives, one line each, before 
     check(lay, cfg, micro_batch_size=1, global_batch_size=8, seq_length=64)
     lay.microbatches(global_batch_size=8, micro_batch_size=1)                        # 4 per DP rank
 
-The world is tp x cp x pp x dp ranks (dtl.dist.ParallelGrid lays them out TP innermost, PP
+The world is tp x cp x pp x dp ranks (dtl.grid.ParallelGrid lays them out TP innermost, PP
 outermost, as Megatron does); the global batch is dp x micro-batches x micro_batch_size sequences.
 """
 

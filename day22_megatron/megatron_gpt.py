@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dtl.megatron as dm
+from dtl.grid import ParallelGrid
 from dtl.model import GPTConfig
 
 QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
@@ -137,7 +138,9 @@ def from_megatron(mstate: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, 
 # --- the model chunks of one rank ----------------------------------------------------------------
 
 
-def transformer_config(cfg: GPTConfig, grid, *, sequence_parallel: bool = False, **overrides):
+def transformer_config(
+    cfg: GPTConfig, grid: ParallelGrid, *, sequence_parallel: bool = False, **overrides
+):
     """megatron's TransformerConfig for the shared GPT's sizes and math.
 
     The math must be ours, not megatron's defaults: GELU with the tanh approximation (GPT-2's,
@@ -215,7 +218,9 @@ def _block_spec(config, vp_stage):
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=SequenceParallelLayerNorm)
 
 
-def build_model_chunks(cfg: GPTConfig, grid, vpp: int | None = None, **config_overrides):
+def build_model_chunks(
+    cfg: GPTConfig, grid: ParallelGrid, vpp: int | None = None, **config_overrides
+):
     """This rank's GPTModel chunks: one, or `vpp` (virtual pipeline stages) for interleaving.
 
     Needs megatron's parallel_state (dtl.megatron.init_parallel_state) and, on a CPU, the shim.
@@ -266,7 +271,7 @@ def _tp_slice(full: torch.Tensor, param, tp_rank: int, tp_size: int) -> torch.Te
 
 
 @torch.no_grad()
-def load_dense(chunks, dense: dict[str, torch.Tensor], cfg: GPTConfig, grid) -> None:
+def load_dense(chunks, dense: dict[str, torch.Tensor], cfg: GPTConfig, grid: ParallelGrid) -> None:
     """Copy a dtl GPT's state dict (one process) into this rank's chunks: its TP shard of the
     layers its pipeline stages hold. A last stage's own copy of a tied embedding gets wte too."""
     full = to_megatron(dense, cfg)
@@ -286,7 +291,7 @@ def load_dense(chunks, dense: dict[str, torch.Tensor], cfg: GPTConfig, grid) -> 
             p.copy_(piece)
 
 
-def local_full_tensors(chunks, grid, grads: bool = False) -> dict[str, torch.Tensor]:
+def local_full_tensors(chunks, grid: ParallelGrid, grads: bool = False) -> dict[str, torch.Tensor]:
     """This rank's chunks as full-TP tensors under global megatron names (gathered over the TP
     group: collective on it). `grads` reads `main_grad` (megatron DDP) or `grad`."""
     out = {}
@@ -305,7 +310,9 @@ def local_full_tensors(chunks, grid, grads: bool = False) -> dict[str, torch.Ten
     return out
 
 
-def gather_dense(chunks, cfg: GPTConfig, grid, grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_dense(
+    chunks, cfg: GPTConfig, grid: ParallelGrid, grads: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole model (or its gradients) as a dtl GPT state dict, on every rank: TP shards
     all-gathered, then the pipeline stages' pieces all-gathered over the pp group. A last
     stage's copy of a tied embedding is dropped: wte, from the first stage, stands for both."""

@@ -36,12 +36,18 @@ from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
 from day22_megatron.layouts import LayoutError
 from dtl.dist import average_gradients
-from dtl.model import GPT, GPTConfig, loss_fn, optimizer_groups, tp_shard_of
+from dtl.grid import ParallelGrid
+from dtl.model import GPT, GPTConfig, loss_fn, tp_shard_of
+from dtl.optim import OptimConfig
+from dtl.state import StateBytes, live_state_bytes
+
+# Megatron's AdamW: decay on the matrices only, at 0.1 (the stack's default)
+MEGATRON_ADAMW = OptimConfig(weight_decay=0.1, decay="matrices")
 
 
 @dataclass
 class Stack:
-    grid: object
+    grid: ParallelGrid
     gpt: GPT  # the model after TP / SP / CP (every stage is a copy of it, cut)
     pipeline: Pipeline | None  # None when pp == 1
     params: list  # this rank's parameters, each once
@@ -66,7 +72,7 @@ def check_stack(
 
 def build_stack(
     cfg: GPTConfig,
-    grid,
+    grid: ParallelGrid,
     *,
     micro_batch_size: int,
     microbatches: int,
@@ -76,10 +82,7 @@ def build_stack(
     attn: str = "ring_zigzag",
     sp: bool = False,
     seed: int = 0,
-    lr: float = 1e-3,
-    weight_decay: float = 0.1,
-    eps: float = 1e-8,
-    betas: tuple[float, float] = (0.9, 0.999),
+    optim: OptimConfig = MEGATRON_ADAMW,
     device="cpu",
 ) -> Stack:
     sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
@@ -102,10 +105,14 @@ def build_stack(
     else:
         named = dict(gpt.named_parameters(remove_duplicate=False))
         params = list(gpt.parameters())
-    optimizer = torch.optim.AdamW(
-        optimizer_groups(params, weight_decay), lr=lr, eps=eps, betas=betas
-    )
+    optimizer = optim.make(params)
     return Stack(grid, gpt, pipeline, params, named, loss, optimizer)
+
+
+def stack_state_bytes(stack: Stack) -> StateBytes:
+    """What this rank holds after an optimizer step (before zero_grad): its shards' and stages'
+    parameters, their gradients, Adam's moments (not its step counters, as the formula)."""
+    return live_state_bytes(stack.params, stack.optimizer, counters=False)
 
 
 def forward_backward(stack: Stack, micro_batches) -> float | None:

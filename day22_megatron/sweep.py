@@ -32,7 +32,7 @@ import torch.distributed as dist
 from day22_megatron import formulas, layouts, train_4d
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
 from dtl.model import PRESETS
 

@@ -38,16 +38,18 @@ from day22_megatron.stack import (
     clip_gradients,
     forward_backward,
     full_state,
+    stack_state_bytes,
     sync_gradients,
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus, split_micro_batches
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import PRESETS
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.optim import OptimConfig
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
 
@@ -69,12 +71,18 @@ class Config:
     seq_len: int = 32  # tokens per sequence
     steps: int = 4  # optimizer steps
     lr: float = 1e-3  # AdamW learning rate
-    weight_decay: float = 0.1  # on matrices only (dtl.model.optimizer_groups)
+    weight_decay: float = 0.1  # on matrices only (dtl.optim.optimizer_groups)
     clip_grad: float = 1.0  # global gradient-norm clip, 0 disables it
     eps: float = 1e-8  # AdamW epsilon
     seed: int = 0  # model init and batches
     check: bool = True  # rank 0 trains the dense model in one process and compares
     out_dir: str = ""  # empty: outputs/day22_megatron/ours-tp<t>-pp<p>[-vpp<v>][-cp<c>]-dp<d>
+
+    @property
+    def optim(self) -> OptimConfig:
+        return OptimConfig(
+            lr=self.lr, eps=self.eps, weight_decay=self.weight_decay, decay="matrices"
+        )
 
     def model_config(self):
         return padded_preset(
@@ -114,7 +122,7 @@ class Config:
         self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"
 
 
-def micro_batches(tokens, cfg: Config, step: int, grid, device):
+def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     """This DP rank's rows of the step's global batch, in micro-batches of micro_batch_size."""
     b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
     x, y = get_batch(
@@ -139,29 +147,14 @@ def axis_groups(stack) -> dict[str, list]:
     }
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def state_bytes(stack) -> dict[str, int]:
-    """What this rank holds, counted from the live tensors after an optimizer step (before
-    zero_grad): its parameters, their gradients, Adam's tensors (not its step counters)."""
-    opt_state = stack.optimizer.state.values()
-    return {
-        "params": sum(_nbytes(p) for p in stack.params),
-        "grads": sum(_nbytes(p.grad) for p in stack.params if p.grad is not None),
-        "optim": sum(_nbytes(t) for s in opt_state for t in s.values() if t.dim() > 0),
-    }
-
-
-def run(cfg: Config, info, grid) -> dict:
+def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
     stack = build_stack(
         mcfg, grid, micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
         seq_len=cfg.seq_len, schedule="interleaved" if cfg.chunks > 1 else "1f1b",
-        chunks=cfg.chunks, attn=cfg.attn, sp=cfg.sp, seed=cfg.seed, lr=cfg.lr,
-        weight_decay=cfg.weight_decay, eps=cfg.eps, device=info.device,
+        chunks=cfg.chunks, attn=cfg.attn, sp=cfg.sp, seed=cfg.seed, optim=cfg.optim,
+        device=info.device,
     )  # fmt: skip
     groups = axis_groups(stack)
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch_size * cfg.seq_len)
@@ -177,7 +170,7 @@ def run(cfg: Config, info, grid) -> dict:
             sync_gradients(stack)
             norms.append(clip_gradients(stack, cfg.clip_grad or None))
         stack.optimizer.step()
-        state = state_bytes(stack)
+        state = stack_state_bytes(stack)
         stack.optimizer.zero_grad(set_to_none=True)
         _sync(info.device)
         times.append(time.perf_counter() - t0)
@@ -204,7 +197,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measured_vs_formula(cfg: Config, grid, result: dict) -> tuple[list[str], bool]:
+def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[list[str], bool]:
     """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
     lay, mcfg = cfg.layout, cfg.model_config()
     want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank)
@@ -224,7 +217,7 @@ def measured_vs_formula(cfg: Config, grid, result: dict) -> tuple[list[str], boo
     return lines, bad.item() == 0
 
 
-def report(cfg: Config, info, grid, result: dict) -> bool:
+def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     lay = cfg.layout
     lines, exact = measured_vs_formula(cfg, grid, result)
     dtl_dist.print0(
@@ -243,7 +236,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
             "stage costs: the last stage also runs the head and the loss)"
         )
     verdict, norm_gap = _compare(cfg, info, grid, result)
-    ok = "NO" not in verdict and exact
+    ok = verdict.ok and exact
     med = sorted(result["times"])[len(result["times"]) // 2] * 1e3
     dtl_dist.print0(
         f"summary: day22 ours {lay.name(cfg.sp)} model={cfg.model} schedule={lay.schedule}: "
@@ -256,9 +249,9 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     return ok
 
 
-def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
+def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> tuple[Verdict, float]:
     if not cfg.check:
-        return "one-process check skipped (check=false)", float("nan")
+        return Verdict.skip("one-process check skipped (check=false)"), float("nan")
     ref_norms: list[float] = []
 
     def one_process():

@@ -17,7 +17,7 @@ it when TP > 1 and it is unset).
 
 The flags are Megatron-LM's (`--tensor-model-parallel-size`, ... written with - or _, with = or
 a space). What runs is megatron-core's own code: `parallel_state` (groups checked equal to
-dtl.dist.ParallelGrid's), `GPTModel` with the local layer spec and the shared GPT's weights
+dtl.grid.ParallelGrid's), `GPTModel` with the local layer spec and the shared GPT's weights
 (megatron_gpt.py converts them), `get_forward_backward_func()` (no pipelining, 1F1B, or
 interleaved 1F1B), `DistributedDataParallel` (gradients in contiguous buffers, all-reduced, or
 reduce-scattered for the distributed optimizer), `finalize_model_grads` (DP sync, tied
@@ -40,16 +40,17 @@ from dataclasses import dataclass
 import torch
 
 import dtl.megatron as dm
-from day22_megatron import formulas, layouts
+from day22_megatron import formulas, layouts, mcore
 from day22_megatron.layouts import padded_preset
-from day22_megatron.megatron_gpt import build_model_chunks, gather_dense, load_dense
+from day22_megatron.megatron_gpt import gather_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, split_micro_batches
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PRESETS
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.optim import OptimConfig
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
@@ -88,6 +89,14 @@ class Config:
             self.make_vocab_size_divisible_by,
             self.tensor_model_parallel_size,
         )
+
+    @property
+    def optim(self) -> OptimConfig:
+        """Adam's settings (megatron decays the matrices only: its wd_mult 0 on the rest)."""
+        return OptimConfig(
+            lr=self.lr, eps=self.adam_eps, weight_decay=self.weight_decay,
+            betas=(self.adam_beta1, self.adam_beta2), decay="matrices",
+        )  # fmt: skip
 
     @property
     def microbatches(self) -> int:
@@ -134,33 +143,10 @@ class Config:
         self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"
 
 
-# --- one training step through megatron's schedule ----------------------------------------------
+# --- one training step through megatron's schedule (mcore.py) -----------------------------------
 
 
-def causal_mask(T: int, device) -> torch.Tensor:
-    """megatron's attention mask: True where a query may NOT look (the future), (1, 1, T, T)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1).view(1, 1, T, T)
-
-
-def loss_func(per_token_loss: torch.Tensor):
-    """Mean cross-entropy of one micro-batch. The schedule divides it by the number of
-    micro-batches and DDP by the DP size, so the gradient is the global batch's mean."""
-    loss = per_token_loss.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides in place
-
-
-def make_forward_step(T: int, device):
-    mask = causal_mask(T, device)
-    pos = torch.arange(T, device=device).unsqueeze(0)
-
-    def forward_step(data_iterator, model):
-        x, y = next(data_iterator)  # (b, T) token ids and targets of one micro-batch
-        return model(x, pos.expand_as(x), mask, labels=y), loss_func
-
-    return forward_step
-
-
-def micro_batches(tokens, cfg: Config, step: int, grid, device):
+def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     """This DP rank's share of the step's global batch, cut into micro-batches of b rows."""
     b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
     x, y = get_batch(
@@ -170,93 +156,18 @@ def micro_batches(tokens, cfg: Config, step: int, grid, device):
     return split_micro_batches(x, y, b, device)
 
 
-def build(cfg: Config, grid, device):
-    """Megatron's model chunks, DDP wrappers, optimizer and scheduler, from the dtl GPT."""
-    from megatron.core import tensor_parallel as mtp
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    mcfg = cfg.model_config()
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    torch.manual_seed(cfg.seed)
-    mtp.model_parallel_cuda_manual_seed(cfg.seed)  # megatron's per-TP-rank RNG streams
-    chunks = build_model_chunks(
-        mcfg,
-        grid,
-        vpp=cfg.layout.vpp if cfg.layout.vpp > 1 else None,
+def build(cfg: Config, grid: ParallelGrid, device) -> mcore.Parts:
+    """megatron-core's pieces for this config (mcore.build, every argument from the flags)."""
+    vpp = cfg.layout.vpp
+    return mcore.build(
+        cfg.model_config(), grid, device, optim=cfg.optim, clip_grad=cfg.clip_grad,
+        steps=cfg.train_iters, vpp=vpp if vpp > 1 else None,
         sequence_parallel=cfg.sequence_parallel,
-        params_dtype=dtype,
-        bf16=cfg.bf16,
-    )
-    load_dense(chunks, GPT(mcfg, seed=cfg.seed).state_dict(), mcfg, grid)  # one model for all
-    for chunk in chunks:
-        chunk.to(device)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer
-    )
-    model = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
-    config = chunks[0].config
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=cfg.lr,
-        min_lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        adam_eps=cfg.adam_eps,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        clip_grad=cfg.clip_grad,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
-        bf16=cfg.bf16,
-        params_dtype=dtype,
-    )
-    with dm.optimizer_shim():
-        optimizer = get_megatron_optimizer(opt_config, model)
-    # The scheduler is what applies wd_mult: without it, torch's Adam would decay every group,
-    # biases and LayerNorm weights too (megatron's groups only *record* wd_mult = 0).
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0,
-        lr_decay_steps=cfg.train_iters, lr_decay_style="constant", start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant",
+        distributed_optimizer=cfg.use_distributed_optimizer, bf16=cfg.bf16, seed=cfg.seed,
     )  # fmt: skip
-    return chunks, model, optimizer, scheduler
 
 
-def train_step(model, optimizer, scheduler, forward_step, mbs, cfg: Config):
-    """One optimizer step: megatron's schedule runs every micro-batch's forward and backward.
-    scheduler None: the caller has written this step's lr and weight decay into the groups."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    for m in model:
-        m.zero_grad_buffer()  # the DDP buffers hold main_grad; zero them, not param.grad
-    optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()  # by parallel_state's pp and vpp sizes
-    iterators = [iter(list(mbs)) for _ in model]  # each chunk reads every micro-batch once
-    outputs = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(model) > 1 else iterators[0],
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=len(mbs),
-        seq_length=cfg.seq_length,
-        micro_batch_size=cfg.micro_batch_size,
-        forward_only=False,
-    )  # finalize_model_grads ran at its end: grads synced over DP, tied embeddings summed
-    with dm.optimizer_shim():
-        _, grad_norm, _ = optimizer.step()  # clip by the global norm (over TP x PP), then Adam
-    if scheduler is not None:
-        scheduler.step(increment=1)
-    # the loss exists on the last pipeline stage only (one dict per micro-batch)
-    loss = sum(o["lm loss"].item() for o in outputs) / len(mbs) if outputs else 0.0
-    return loss, grad_norm
-
-
-def run(cfg: Config, info, grid) -> dict:
+def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
     vpp = cfg.layout.vpp if cfg.layout.vpp > 1 else None
@@ -270,13 +181,14 @@ def run(cfg: Config, info, grid) -> dict:
     return result
 
 
-def _train(cfg: Config, info, grid, corpus) -> dict:
-    chunks, model, optimizer, scheduler = build(cfg, grid, info.device)
+def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
+    parts = build(cfg, grid, info.device)
+    chunks = parts.chunks
     # the converter, both ways, through megatron's own modules: loaded shards gathered back
     dense = GPT(cfg.model_config(), seed=cfg.seed).state_dict()
     back = gather_dense(chunks, cfg.model_config(), grid)
     roundtrip = max((back[k] - dense[k]).abs().max().item() for k in dense)
-    forward_step = make_forward_step(cfg.seq_length, info.device)
+    forward_step = mcore.make_forward_step(cfg.seq_length, info.device)
     tokens = cfg.global_batch_size * cfg.seq_length
     log = StepLogger(cfg.out_dir, cfg.train_iters, tokens_per_step=tokens)
     last_stage_ranks = info.world_size // grid.pp_size  # dp x cp x tp ranks hold the loss
@@ -285,7 +197,10 @@ def _train(cfg: Config, info, grid, corpus) -> dict:
         mbs = micro_batches(corpus.train, cfg, step, grid, info.device)
         _sync(info.device)
         t0 = time.perf_counter()
-        loss, norm = train_step(model, optimizer, scheduler, forward_step, mbs, cfg)
+        loss, norm = mcore.train_step(
+            parts, forward_step, mbs, seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+        )  # fmt: skip
         _sync(info.device)
         times.append(time.perf_counter() - t0)
         losses.append(dtl_dist.all_reduce_scalar(loss) / last_stage_ranks)
@@ -308,7 +223,7 @@ def _sync(device) -> None:
 # --- the report -----------------------------------------------------------------------------------
 
 
-def report(cfg: Config, info, grid, result: dict) -> bool:
+def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     lay = cfg.layout
     mcfg = cfg.model_config()
     want = formulas.params_per_rank(mcfg, lay, grid.pp_rank)
@@ -326,7 +241,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     )
     verdict, norm_gap = _compare(cfg, info, grid, result)
     med_ms = sorted(result["times"])[len(result["times"]) // 2] * 1e3
-    ok = "NO" not in verdict and mismatched.item() == 0
+    ok = verdict.ok and mismatched.item() == 0
     dtl_dist.print0(
         f"summary: day22 megatron-core {lay.name(cfg.sequence_parallel)} model={cfg.model} "
         f"schedule={lay.schedule}: {verdict}"
@@ -339,9 +254,9 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     return ok
 
 
-def _compare(cfg: Config, info, grid, result: dict) -> tuple[str, float]:
+def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> tuple[Verdict, float]:
     if not cfg.check:
-        return "one-process check skipped (check=false)", float("nan")
+        return Verdict.skip("one-process check skipped (check=false)"), float("nan")
     ref_norms: list[float] = []
 
     def one_process():  # rank 0: the dtl GPT, torch's AdamW, the same groups and clipping

@@ -8,7 +8,7 @@ GPUs: the same with --nproc_per_node=gpu --model=gpt2-124m --seq_len=512 --bf16.
 
 templates  every template (and NVMe with the parameters paged: max_in_cpu 0) on the same model
            and batches: median step time and its ratio to no-offload ZeRO-3, bytes per location
-           and disk traffic per step, each measured beside explain.predict.
+           and disk traffic per step, each measured beside predict.py.
 keys       one key changed at a time from its template: the median step, the peak of gathered
            parameters (measure.PeakGathered, from every non-persistent parameter's ds_status),
            the persistent and reduce-bucket bytes on the device, the swap buffers in CPU
@@ -28,10 +28,10 @@ import re
 import statistics
 from dataclasses import dataclass
 
-from day18_zero.ds_engine import use_run_accelerator
-from day23_zero3_offload import explain, measure, train
+from day23_zero3_offload import checks, measure, predict, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.deepspeed import use_run_accelerator
 from dtl.metrics import write_csv
 from dtl.model import PRESETS
 
@@ -60,7 +60,7 @@ class Config:
     steps: int = 6  # optimizer steps per run (the first is not timed)
     templates: str = ""  # part=templates: only these, comma-separated (empty: all + nvme_paged)
     keys: str = ""  # part=keys: only these keys, comma-separated (empty: all)
-    # part=keys: the model, layers x width of explain.gpt_of (4x256: 12 matrices above the
+    # part=keys: the model, layers x width of predict.gpt_of (4x256: 12 matrices above the
     # persistence threshold, so the gathering keys have tensors to act on); empty: --model
     keys_model: str = "4x256"
     fit_budget_mb: float = 300.0  # part=fit: device MB per rank (the 200 MB reduce bucket in it)
@@ -83,8 +83,8 @@ class Config:
                 f"seq_len {self.seq_len} exceeds {self.model}'s block_size"
             )
         try:
-            explain.check_nvme_path(self.nvme_path)
-        except explain.ExplainError as e:
+            checks.check_nvme_path(self.nvme_path)
+        except checks.ExplainError as e:
             raise dtl_config.ConfigError(str(e)) from None
 
 
@@ -114,7 +114,7 @@ def measure_run(cfg: Config, info, rcfg: train.Config, ds: dict) -> dict:
     """One run: median step, bytes by location, disk traffic, peaks; the engine freed after."""
     result = train.run(rcfg, info, ds)
     steady = result["swapped"][1:]
-    pred = explain.predict(ds, explain.param_groups(rcfg.model_config()), info.world_size)
+    pred = predict.predict(ds, predict.param_groups(rcfg.model_config()), info.world_size)
     row = dict(
         step_ms=dtl_dist.all_reduce_scalar(statistics.median(result["times"][1:]), average=True)
         * 1e3,
@@ -133,8 +133,8 @@ def measure_run(cfg: Config, info, rcfg: train.Config, ds: dict) -> dict:
 def nvme_missing() -> str | None:
     """Why the NVMe template cannot run on this machine (no libaio), or None."""
     try:
-        explain.check_libaio()
-    except explain.MissingLibaio as e:
+        checks.check_libaio()
+    except checks.MissingLibaio as e:
         return str(e)
     return None
 
@@ -152,7 +152,7 @@ def _runnable(names: list[str], templates: list[str], not_run: list[str]) -> lis
 
 def run_templates(cfg: Config, info, not_run: list[str]) -> list[dict]:
     rows = []
-    variants = [(t, t, None) for t in explain.TEMPLATES] + [("nvme", "nvme_paged", 0)]
+    variants = [(t, t, None) for t in checks.TEMPLATES] + [("nvme", "nvme_paged", 0)]
     wanted = {t for t in cfg.templates.split(",") if t}
     variants = [v for v in variants if not wanted or v[1] in wanted]
     keep = _runnable([v[1] for v in variants], [v[0] for v in variants], not_run)
@@ -163,12 +163,12 @@ def run_templates(cfg: Config, info, not_run: list[str]) -> list[dict]:
         if max_in_cpu is not None:
             ds["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
         r = measure_run(cfg, info, rcfg, ds)
-        got, want = explain.totals(r["where"]), explain.totals(r["pred"])
+        got, want = predict.totals(r["where"]), predict.totals(r["pred"])
         rows.append(
             dict(
                 template=tag, step_ms=r["step_ms"],
-                **{f"{loc}_mb": got[loc] / MB for loc in explain.LOCATIONS},
-                **{f"{loc}_pred_mb": want[loc] / MB for loc in explain.LOCATIONS},
+                **{f"{loc}_mb": got[loc] / MB for loc in predict.LOCATIONS},
+                **{f"{loc}_pred_mb": want[loc] / MB for loc in predict.LOCATIONS},
                 read_mb=r["read_mb"], read_pred_mb=r["pred"]["disk"]["read"] / MB,
                 write_mb=r["write_mb"], write_pred_mb=r["pred"]["disk"]["write"] / MB,
             )
@@ -196,7 +196,7 @@ def _keys_cfg(cfg: Config, template: str, tag: str) -> train.Config:
     rcfg = _run_cfg(cfg, template, tag)
     if cfg.keys_model:
         layers, width = (int(v) for v in cfg.keys_model.split("x"))
-        model = explain.gpt_of(layers, width)
+        model = predict.gpt_of(layers, width)
         rcfg.model_config = lambda: model  # a grid model, not a preset
     return rcfg
 
@@ -257,12 +257,12 @@ FIT_DEPTHS = (2, 4, 6, 8, 12)
 def run_fit(cfg: Config, info, not_run: list[str]) -> list[dict]:
     budget = cfg.fit_budget_mb * MB
     rows = []
-    for name in explain.TEMPLATES:
-        ds = explain.read(explain.template_path(name))
-        best = explain.largest_fit(  # a grid this machine can run
+    for name in checks.TEMPLATES:
+        ds = checks.read(checks.template_path(name))
+        best = predict.largest_fit(  # a grid this machine can run
             ds, info.world_size, budget, cpu_budget=8e9, widths=FIT_WIDTHS, depths=FIT_DEPTHS
         )
-        n = sum(map(sum, explain.groups_by_formula(best))) if best else 0
+        n = sum(map(sum, predict.groups_by_formula(best))) if best else 0
         rows.append(dict(template=name, n_layer=best.n_layer if best else 0,
                          n_embd=best.n_embd if best else 0, params=n))  # fmt: skip
         dtl_dist.print0(
@@ -284,12 +284,12 @@ def run_fit(cfg: Config, info, not_run: list[str]) -> list[dict]:
 
 
 def _run_largest(cfg: Config, info, row: dict) -> dict:
-    model = explain.gpt_of(row["n_layer"], row["n_embd"])  # the grid's model, not a preset
+    model = predict.gpt_of(row["n_layer"], row["n_embd"])  # the grid's model, not a preset
     rcfg = _run_cfg(cfg, "cpu", "fit", model="small")
     rcfg.steps = 2
     rcfg.model_config = lambda: model
     r = measure_run(cfg, info, rcfg, rcfg.load_ds_config())
-    return dict(device_mb=explain.totals(r["where"])["device"] / MB)
+    return dict(device_mb=predict.totals(r["where"])["device"] / MB)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(
             abs(r[f"{loc}_mb"] - r[f"{loc}_pred_mb"]) / r[f"{loc}_pred_mb"]
             for r in rows
-            for loc in explain.LOCATIONS
+            for loc in predict.LOCATIONS
             if r[f"{loc}_pred_mb"]
         )
         slowest = max(rows, key=lambda r: r["ratio"])

@@ -35,8 +35,8 @@ import shutil
 
 import torch
 
-from day18_zero.engines import nbytes
-from day23_zero3_offload.explain import KINDS, LOCATIONS  # one table of where and what
+from day23_zero3_offload.predict import KINDS, LOCATIONS  # one table of where and what
+from dtl.state import nbytes
 
 
 def _empty() -> dict[str, dict[str, int]]:

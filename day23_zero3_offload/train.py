@@ -9,15 +9,15 @@ CPU (gloo), 2 ranks, ~15 s (the NVMe template needs `apt-get install libaio-dev`
 GPUs (NCCL): the same with --nproc_per_node=gpu --config day23_zero3_offload/gpu.toml (bf16).
 
 Environment: OMP_NUM_THREADS=1; DS_ACCELERATOR follows the run's device (set by
-day18_zero.ds_engine.use_run_accelerator: cpu for gloo, on a GPU machine too; cuda for NCCL);
+dtl.deepspeed.use_run_accelerator: cpu for gloo, on a GPU machine too; cuda for NCCL);
 TORCH_EXTENSIONS_DIR where `make install` built DeepSpeed's cpu_adam and async_io ops.
 
 --ds_config is a template name (zero3, opt_only, cpu, nvme) or a path. The run reads the batch,
-the optimizer and the clipping from it (one source of truth), checks it with explain.check
+the optimizer and the clipping from it (one source of truth), checks it with checks.check
 before any collective, trains `steps` steps (each `gradient_accumulation_steps` micro-batches of
 `train_micro_batch_size_per_gpu` per rank), printing each step's loss, time, and the bytes this
 process read and wrote on disk (the NVMe swap traffic); then the bytes per location read from
-the engine (measure.py) beside explain.predict, and rank 0 trains the dense GPT in one process
+the engine (measure.py) beside predict.py's, and rank 0 trains the dense GPT in one process
 with torch's AdamW, the same decay groups and clipping, and compares.
 """
 
@@ -30,19 +30,20 @@ from dataclasses import dataclass
 
 import torch
 
-from day18_zero.ds_engine import (
+from day23_zero3_offload import checks, measure, predict
+from dtl import config as dtl_config
+from dtl import dist as dtl_dist
+from dtl.data import get_batch, load_corpus
+from dtl.deepspeed import (
     DsConfigError,
     import_deepspeed,
     planned_device_type,
     use_run_accelerator,
 )
-from day23_zero3_offload import explain, measure
-from dtl import config as dtl_config
-from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, optimizer_groups, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.model import GPT, PRESETS, preset
+from dtl.optim import optimizer_groups
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
 
@@ -69,8 +70,8 @@ class Config:
     @property
     def ds_path(self) -> str:
         return (
-            explain.template_path(self.ds_config)
-            if self.ds_config in explain.TEMPLATES
+            checks.template_path(self.ds_config)
+            if self.ds_config in checks.TEMPLATES
             else self.ds_config
         )
 
@@ -83,10 +84,10 @@ class Config:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
         self.skip_reason = ""
         try:
-            # DeepSpeed's accelerator = the run's device, before explain.check imports DeepSpeed
+            # DeepSpeed's accelerator = the run's device, before checks.check imports DeepSpeed
             use_run_accelerator(planned_device_type())
-            explain.check(self.load_ds_config(), world)
-        except explain.MissingLibaio as e:
+            checks.check(self.load_ds_config(), world)
+        except checks.MissingLibaio as e:
             self.skip_reason = str(e)  # a SKIP in the tour, not a failure (lessons.toml)
         except DsConfigError as e:
             raise err(str(e)) from None
@@ -103,7 +104,7 @@ class Config:
 
     def load_ds_config(self) -> dict:
         """The ds_config as this run uses it: --nvme_path and --bf16 applied on a copy."""
-        ds = copy.deepcopy(explain.read(self.ds_path))
+        ds = copy.deepcopy(checks.read(self.ds_path))
         zero = ds.setdefault("zero_optimization", {})
         for section in ("offload_param", "offload_optimizer"):
             if self.nvme_path and (zero.get(section) or {}).get("device") == "nvme":
@@ -225,17 +226,17 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
 
 def report(cfg: Config, info, result: dict) -> bool:
     ds, where = result["ds"], result["where"]
-    pred = explain.predict(ds, explain.param_groups(cfg.model_config()), info.world_size)
-    rows = explain.table(pred, where)
-    dtl_dist.print0(f"bytes on rank 0 by location (measure.py) vs explain.predict:\n{rows}")
+    pred = predict.predict(ds, predict.param_groups(cfg.model_config()), info.world_size)
+    rows = predict.table(pred, where)
+    dtl_dist.print0(f"bytes on rank 0 by location (measure.py) vs predict.py:\n{rows}")
     worst = max(
         abs(where[loc][k] - pred[loc][k]) / pred[loc][k]
-        for loc in explain.LOCATIONS
-        for k in explain.KINDS
+        for loc in predict.LOCATIONS
+        for k in predict.KINDS
         if pred[loc][k]
     )
     unexpected = [
-        f"{loc}.{k}" for loc in explain.LOCATIONS for k in explain.KINDS
+        f"{loc}.{k}" for loc in predict.LOCATIONS for k in predict.KINDS
         if where[loc][k] and not pred[loc][k]
     ]  # fmt: skip
     steady = result["swapped"][1:] or result["swapped"]
@@ -243,8 +244,8 @@ def report(cfg: Config, info, result: dict) -> bool:
     want_disk = pred["disk"]
     med = sorted(result["times"])[len(result["times"]) // 2] * 1e3
     checked = cfg.check and not cfg.resume  # a resumed run has no first steps to compare
-    verdict = _compare(cfg, info, result) if checked else "one-process check skipped"
-    ok = "NO" not in verdict and worst <= 0.01 and not unexpected
+    verdict = _compare(cfg, info, result) if checked else Verdict.skip("one-process check skipped")
+    ok = verdict.ok and worst <= 0.01 and not unexpected
     name = os.path.basename(cfg.ds_path)
     dtl_dist.print0(f"summary: day23 {name} model={cfg.model} ranks={info.world_size}: {verdict}")
     dtl_dist.print0(
@@ -257,7 +258,7 @@ def report(cfg: Config, info, result: dict) -> bool:
     return ok
 
 
-def _compare(cfg: Config, info, result: dict) -> str:
+def _compare(cfg: Config, info, result: dict) -> Verdict:
     full = full_parameters(result["engine"])
     opt = optimizer_settings(result["ds"])
     rows = result["ds"]["train_micro_batch_size_per_gpu"] * result["ds"].get(

@@ -21,9 +21,7 @@ while it writes that step's checkpoint (its shard on disk, the commit not done).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass
 
@@ -32,11 +30,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from day24_checkpoint.ckpt import AppState, Checkpointer, CheckpointError, latest, verify
+from day24_checkpoint.faults import Faults, LossRecord, restart_count
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, loss_fn, preset, warmup_cosine
+from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.optim import warmup_cosine
 
 PARALLEL = ("ddp", "fsdp2")
 RESUME = ("auto", "none", "latest")
@@ -139,42 +139,18 @@ def params_sha256(model) -> str:
     return digest.hexdigest()
 
 
-def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _die(reason: str) -> None:
-    print(f"[rank {dist.get_rank()}] drill: {reason}; SIGKILL at t={time.time():.3f}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _hold_for_a_node(seconds: float) -> None:
-    """The elastic drill's handshake: the checkpoint is committed; idle until the agent, seeing
-    a node waiting to join, stops this worker and restarts all of them at the larger world."""
-    print(
-        f"holding at world size 1 for up to {seconds:.0f} s: waiting for a node to join", flush=True
-    )
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 def run(cfg: Config, info) -> dict:
     corpus = load_corpus(tokenizer="byte" if cfg.model.startswith("tiny") else "auto")
     torch.manual_seed(cfg.seed + info.rank)  # each rank's dropout stream
     gpt, model, opt, sched = build(cfg, info)
     app = AppState(model, opt, sched, restore_rng=cfg.restore_rng)
-
-    def on_write(step):
-        if step == cfg.fail_during_save and info.rank == cfg.fail_rank and _restart_count() == 0:
-            _die(f"killed while writing the step-{step} checkpoint")
-
+    faults = Faults(cfg, info.rank)  # the drills' kills and holds (faults.py)
     ckpt = Checkpointer(
         cfg.ckpt_dir,
         keep=cfg.keep,
         async_save=cfg.async_save,
         config=asdict(cfg.model_config()),
-        on_write=on_write,
+        on_write=faults.on_write,
     )
     start, resumed = 0, "none"
     path = cfg.resume_path()
@@ -184,16 +160,13 @@ def run(cfg: Config, info) -> dict:
         resumed = f"step {start}"
         dtl_dist.print0(
             f"resumed from {path} (step {start}) at world size {info.world_size} in "
-            f"{time.perf_counter() - t0:.2f} s; attempt {_restart_count()}"
+            f"{time.perf_counter() - t0:.2f} s; attempt {restart_count()}"
         )
     per_rank = cfg.global_batch // info.world_size
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch * cfg.seq_len)
-    losses_path = os.path.join(cfg.out_dir, "losses.jsonl")
-    if info.is_main and start == 0 and _restart_count() == 0:
-        open(losses_path, "w").close()  # a fresh run starts a fresh record
+    record = LossRecord(cfg.out_dir, info.is_main, fresh=start == 0 and restart_count() == 0)
     for step in range(start, cfg.steps):
-        if step == cfg.fail_at_step and info.rank == cfg.fail_rank and _restart_count() == 0:
-            _die(f"killed before step {step}")
+        faults.before_step(step)
         x, y = get_batch(
             corpus.train,
             cfg.seq_len,
@@ -215,19 +188,9 @@ def run(cfg: Config, info) -> dict:
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             blocked = ckpt.save(app, step + 1).blocked_s
         ckpt.poll()
-        if info.is_main:  # exact values (float.hex), every attempt: the drills compare them
-            with open(losses_path, "a") as f:
-                line = dict(
-                    step=step,
-                    loss=mean.hex(),
-                    attempt=_restart_count(),
-                    world=info.world_size,
-                    time=time.time(),
-                )
-                f.write(json.dumps(line) + "\n")
+        record.add(step, mean, info.world_size)  # exact values, every attempt: the drills read it
         time.sleep(cfg.step_sleep_s)
-        if step + 1 == cfg.hold_at_step and info.world_size == 1:
-            _hold_for_a_node(cfg.hold_s)
+        faults.after_step(step, info.world_size)
         log.log(
             step, loss=mean, dt_s=time.perf_counter() - t0, save_blocked_ms=f"{blocked * 1e3:.1f}"
         )
@@ -252,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     blocked = sum(r.blocked_s for r in records) / max(1, len(records))
     dtl_dist.print0(
         f"summary: day24 parallel={cfg.parallel} world={info.world_size} steps={cfg.steps} "
-        f"resumed={result['resumed']} attempt={_restart_count()}: final params sha256 "
+        f"resumed={result['resumed']} attempt={restart_count()}: final params sha256 "
         f"{result['sha'][:16]}; {len(records)} {'async' if cfg.async_save else 'sync'} saves, "
         f"training blocked {blocked * 1e3:.1f} ms per save (mean); latest {latest(cfg.ckpt_dir)}"
     )

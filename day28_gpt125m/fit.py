@@ -27,12 +27,12 @@ import os
 
 import torch
 
-from day18_zero.ds_engine import DsConfigError, planned_device_type
 from day19_tp.formulas import block_params
 from day22_megatron import formulas
 from day22_megatron.layouts import Layout
 from day28_gpt125m.strategies import BF16
 from dtl import dist as dtl_dist
+from dtl.deepspeed import DsConfigError, planned_device_type
 from dtl.model import num_params
 
 GB = 1e9

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dtl.model import optimizer_groups, warmup_cosine
+from dtl.optim import OptimConfig, warmup_cosine
 
 
 @dataclass
@@ -34,6 +34,17 @@ class Recipe:
     clip: float = 1.0  # global gradient-norm clip (0: off)
     bf16: bool = False  # autocast to bf16 (GPUs); the CPU checks run in fp32
 
+    @property
+    def optim(self) -> OptimConfig:
+        """AdamW's settings at the peak lr, decay on the matrices only (dtl.optim)."""
+        return OptimConfig(
+            lr=self.lr,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            decay="matrices",
+        )
+
 
 def lr_at(step: int, r: Recipe) -> float:
     """Linear warm-up over `warmup` steps, then a cosine from lr to min_lr at `steps`."""
@@ -43,21 +54,13 @@ def lr_at(step: int, r: Recipe) -> float:
 def make_adamw(
     params, r: Recipe, fused: bool | None = None, foreach: bool | None = None
 ) -> torch.optim.AdamW:
-    """AdamW with decay on the matrices only (dtl.model.optimizer_groups), given a module or
-    a list of parameters; `fused` (one kernel for every tensor) where the device supports it.
-    Unfused, `foreach` picks torch's multi-tensor path (True) or its per-tensor loop (False);
-    None leaves torch's default. (fused=False is never passed on: torch reads an explicit False
-    with foreach=None as the per-tensor loop.)"""
-    groups = optimizer_groups(params, r.weight_decay)
-    device = next(p for g in groups for p in g["params"]).device
+    """The recipe's AdamW (r.optim: decay on the matrices only) over a module or a list of
+    parameters, `fused` (one kernel for every tensor) by default where the device has it: a GPU.
+    Unfused, `foreach` picks torch's multi-tensor path (True) or its per-tensor loop (False)."""
     if fused is None:
-        fused = device.type == "cuda"
-    kwargs = dict(lr=r.lr, betas=r.betas, eps=r.eps, foreach=foreach)
-    return (
-        torch.optim.AdamW(groups, fused=fused, **kwargs)
-        if fused
-        else torch.optim.AdamW(groups, **kwargs)
-    )
+        first = next(iter(params.parameters() if hasattr(params, "parameters") else params))
+        fused = first.device.type == "cuda"
+    return r.optim.make(params, fused=fused, foreach=foreach)
 
 
 def autocast(r: Recipe, device: torch.device):

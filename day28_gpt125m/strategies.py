@@ -30,7 +30,10 @@ import torch
 import torch.distributed as dist
 
 from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.optim import optimizer_groups, set_lr
+from dtl.state import StateBytes, live_state_bytes
 
 STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
 MODEL_PARALLEL = ("tp_pp", "megatron")  # strategies that take tp and pp
@@ -38,14 +41,9 @@ BF16 = ("ddp", "fsdp2", "zero3")  # strategies that apply --bf16 (autocast, Deep
 COMPILE = ("ddp", "fsdp2")  # strategies whose model --compile wraps in torch.compile
 
 
-def _set_lr(optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 class Strategy:
     name = ""
-    last_state: dict | None = None  # this rank's params / grads / optim bytes at the last step
+    last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
@@ -114,11 +112,10 @@ class TorchData(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), self.r.clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
             norm = norm.full_tensor()
-        _set_lr(self.optimizer, lr)
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.measure_state:
-            from day18_zero.engines import live_state_bytes  # counts an FSDP2 shard, not all
-
+            # an FSDP2 parameter counts its local shard only: what is in this rank's memory
             self.last_state = live_state_bytes(self.gpt.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total, float(norm)
@@ -151,13 +148,11 @@ class DeepSpeedZero3(Strategy):
     name = "zero3"
 
     def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int, device):
-        from day18_zero.ds_engine import import_deepspeed
+        from dtl.deepspeed import import_deepspeed
 
         deepspeed = import_deepspeed(device.type)  # its accelerator = the run's device
-        from dtl.model import optimizer_groups
-
         self.r = r
-        adamw = {"lr": r.lr, "betas": list(r.betas), "eps": r.eps, "weight_decay": r.weight_decay}
+        adamw = r.optim.deepspeed_params()
         ds = {
             "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": accum,
@@ -175,7 +170,7 @@ class DeepSpeedZero3(Strategy):
         )
 
     def step(self, micro_batches, lr):
-        _set_lr(self.engine.optimizer, lr)
+        set_lr(self.engine.optimizer, lr)
         total = 0.0
         for x, y in micro_batches:
             loss = loss_fn(self.engine(x), y)
@@ -186,9 +181,9 @@ class DeepSpeedZero3(Strategy):
             from day23_zero3_offload.measure import locations
 
             where = locations(self.engine, dist.get_rank())
-            self.last_state = {
-                k: sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim")
-            }
+            self.last_state = StateBytes(
+                *(sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim"))
+            )
         return total / len(micro_batches), float(self.engine.get_global_grad_norm())
 
     def save(self, folder, step):
@@ -211,15 +206,14 @@ class OurTPPP(Strategy):
 
     name = "tp_pp"
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid, micro_batch: int, accum: int, seq_len,
-                 device, seed: int):  # fmt: skip
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
+                 accum: int, seq_len: int, device, seed: int):  # fmt: skip
         from day22_megatron import stack
 
         self.stack_mod, self.r = stack, r
         self.stack = stack.build_stack(
             cfg, grid, micro_batch_size=micro_batch, microbatches=accum, seq_len=seq_len,
-            seed=seed, lr=r.lr, weight_decay=r.weight_decay, eps=r.eps, betas=r.betas,
-            device=device,
+            seed=seed, optim=r.optim, device=device,
         )  # fmt: skip
 
     def step(self, micro_batches, lr):
@@ -227,12 +221,10 @@ class OurTPPP(Strategy):
         loss = s.forward_backward(self.stack, micro_batches)
         s.sync_gradients(self.stack)
         norm = s.clip_gradients(self.stack, self.r.clip or None)
-        _set_lr(self.stack.optimizer, lr)
+        set_lr(self.stack.optimizer, lr)
         self.stack.optimizer.step()
         if self.measure_state:
-            from day22_megatron.train_4d import state_bytes
-
-            self.last_state = state_bytes(self.stack)
+            self.last_state = self.stack_mod.stack_state_bytes(self.stack)
         self.stack.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
@@ -272,43 +264,39 @@ class OurTPPP(Strategy):
 
 
 class Megatron(Strategy):
-    """megatron-core itself (day 22's train_megatron pieces), the recipe's lr set per step."""
+    """megatron-core itself (day 22's mcore library), the recipe's lr set per step."""
 
     name = "megatron"
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid, micro_batch: int, global_batch: int,
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
                  seq_len: int, device, seed: int, steps: int):  # fmt: skip
         import dtl.megatron as dm
-        from day22_megatron import train_megatron as tm
+        from day22_megatron import mcore
 
-        self.tm, self.dm, self.r, self.grid, self.cfg = tm, dm, r, grid, cfg
-        self.mcfg = tm.Config(
-            tensor_model_parallel_size=grid.tp_size, pipeline_model_parallel_size=grid.pp_size,
-            micro_batch_size=micro_batch, global_batch_size=global_batch, seq_length=seq_len,
-            train_iters=steps, lr=r.lr, weight_decay=r.weight_decay, clip_grad=r.clip,
-            adam_eps=r.eps, adam_beta1=r.betas[0], adam_beta2=r.betas[1], seed=seed,
-            use_distributed_optimizer=True, check=False,
-        )  # fmt: skip
-        self.mcfg.model_config = lambda: cfg  # the recipe's model, not a preset name
+        self.mcore, self.dm, self.r, self.grid, self.cfg = mcore, dm, r, grid, cfg
+        self.seq_len, self.micro_batch = seq_len, micro_batch
         self._shim = contextlib.ExitStack()
         dm.init_parallel_state(grid)
         self._shim.enter_context(dm.cpu_shim())
-        self.chunks, self.model, self.optimizer, _ = tm.build(self.mcfg, grid, device)
-        self.forward_step = tm.make_forward_step(seq_len, device)
+        self.parts = mcore.build(
+            cfg, grid, device, optim=r.optim, clip_grad=r.clip, steps=steps,
+            distributed_optimizer=True, seed=seed, scheduler=False,
+        )  # fmt: skip
+        self.forward_step = mcore.make_forward_step(seq_len, device)
 
     def step(self, micro_batches, lr):
-        # what OptimizerParamScheduler.step writes, with the recipe's schedule instead of its own
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = self.r.weight_decay * group.get("wd_mult", 1.0)
-        loss, norm = self.tm.train_step(self.model, self.optimizer, None, self.forward_step,
-                                        micro_batches, self.mcfg)  # fmt: skip
+        # the recipe's schedule instead of megatron's OptimizerParamScheduler
+        self.mcore.set_lr_and_decay(self.parts, lr, self.r.weight_decay)
+        loss, norm = self.mcore.train_step(
+            self.parts, self.forward_step, micro_batches, seq_length=self.seq_len,
+            micro_batch_size=self.micro_batch,
+        )  # fmt: skip
         return loss, float(norm)
 
     def full_parameters(self):
         from day22_megatron.megatron_gpt import gather_dense
 
-        return _untied(gather_dense(self.chunks, self.cfg, self.grid), self.cfg)
+        return _untied(gather_dense(self.parts.chunks, self.cfg, self.grid), self.cfg)
 
     def close(self):
         self._shim.close()
@@ -322,8 +310,8 @@ def _untied(state: dict, cfg: GPTConfig) -> dict:
     return state
 
 
-def build(name: str, cfg: GPTConfig, r: Recipe, grid, device, *, micro_batch: int, accum: int,
-          seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
+def build(name: str, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
+          accum: int, seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
     """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
     if name in ("ddp", "fsdp2"):
         return TorchData(name, GPT(cfg, seed=seed).to(device), r, device)
@@ -332,12 +320,11 @@ def build(name: str, cfg: GPTConfig, r: Recipe, grid, device, *, micro_batch: in
     if name == "tp_pp":
         return OurTPPP(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
     if name == "megatron":
-        global_batch = micro_batch * accum * grid.dp_size
-        return Megatron(cfg, r, grid, micro_batch, global_batch, seq_len, device, seed, steps)
+        return Megatron(cfg, r, grid, micro_batch, seq_len, device, seed, steps)
     raise ValueError(f"unknown strategy {name!r}; one of {', '.join(STRATEGIES)}")
 
 
-def mean_loss(loss: float | None, grid) -> float:
+def mean_loss(loss: float | None, grid: ParallelGrid) -> float:
     """The step's loss averaged over the ranks that hold it (the last pipeline stage of every
     DP replica; every rank without a pipeline)."""
     holders = dist.get_world_size() // grid.pp_size

@@ -43,10 +43,10 @@ from day28_gpt125m.strategies import BF16, COMPILE, MODEL_PARALLEL, STRATEGIES, 
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
-from dtl.testing import one_process_gpt, reference_verdict
+from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
@@ -179,7 +179,7 @@ def evaluate(cfg: Config, full: dict, val, device) -> float:
     return sum(losses) / len(losses), gpt
 
 
-def run(cfg: Config, info, grid) -> dict:
+def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     train, val, tokenizer = prepare_data(cfg)
     r = cfg.recipe()
     strategy = build(
@@ -261,7 +261,7 @@ def reference(cfg: Config, train) -> tuple[list[float], dict]:
     return losses, dict(gpt.named_parameters())
 
 
-def report(cfg: Config, info, grid, result: dict) -> bool:
+def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     steady = result["times"][1:] or result["times"]
     med = sorted(steady)[len(steady) // 2]
     tokens_s = cfg.global_batch_size * cfg.seq_len / med
@@ -270,9 +270,9 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
     value = mfu(fpt, tokens_s, peak, info.world_size)
     shown = f"{value:.1%}" if value is not None else "n/a (no peak for a CPU)"
     wait = sum(result["waits"][1:]) / sum(steady)  # seconds over seconds
-    verdict = "one-process check skipped (check=false)"
+    verdict = Verdict.skip("one-process check skipped (check=false)")
     if cfg.resume or cfg.stop_at:
-        verdict = (
+        verdict = Verdict.skip(
             "one-process check skipped (a run cut in two: compare its losses with a whole one)"
         )
     elif cfg.check:
@@ -298,7 +298,7 @@ def report(cfg: Config, info, grid, result: dict) -> bool:
         f"summary: final loss {result['losses'][-1]:.4f}, val loss {val:.4f}; "
         f"{tokens_s:,.0f} tokens/s, MFU {shown}; waiting for data {wait:.1%} of the step time"
     )
-    return "NO" not in verdict
+    return verdict.ok
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """megatron-core's `parallel_state` built from our grid, and the narrow shim that runs it on a CPU.
 
-The lesson: a parallel layout is a rank table and nothing more. `dtl.dist.ParallelGrid` lays ranks
+The lesson: a parallel layout is a rank table and nothing more. `dtl.grid.ParallelGrid` lays ranks
 out in Megatron's order (tp-cp-dp-pp: TP innermost, PP outermost), so the groups the course builds
 by hand and the groups megatron-core builds must be the *same lists of ranks*.
 `init_parallel_state(grid)` builds megatron's groups and then proves it, group by group, for this
@@ -54,9 +54,9 @@ from torch.overrides import TorchFunctionMode
 from dtl.dist import run_device, timeout_s
 
 if TYPE_CHECKING:
-    from dtl.dist import ParallelGrid
+    from dtl.grid import ParallelGrid
 
-# The rank order of dtl.dist.ParallelGrid in megatron's spelling. Megatron's default is the same
+# The rank order of dtl.grid.ParallelGrid in megatron's spelling. Megatron's default is the same
 # string; ep (expert parallelism) is always 1 in this course, so it never moves a rank.
 ORDER = "tp-cp-ep-dp-pp"
 

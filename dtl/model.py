@@ -359,31 +359,6 @@ def materialize(
     return module
 
 
-def optimizer_groups(params, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups for a module (or a list of parameters): weight decay on matrices
-    (and embeddings), none on biases and LayerNorm weights, the rule of Megatron
-    (`len(param.shape) == 1 or name.endswith(".bias")` gets wd_mult 0) and nanoGPT (`p.dim() >= 2`
-    decays). A tied weight is listed once."""
-    if isinstance(params, nn.Module):
-        params = params.parameters()
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def warmup_cosine(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """The learning-rate multiplier of step `step`: linear warm-up to 1 over `warmup` steps,
-    then a cosine down to `min_ratio` at `steps` (GPT-3's and nanoGPT's schedule; days 24, 28)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------
 
 

@@ -10,10 +10,8 @@
 If any rank raises, the test fails at once with that rank's traceback, and the other ranks (which
 may be blocked in a collective waiting for the dead one) are killed, not left to time out.
 
-The other half of every check is the one-process reference: `reference_train` (the plain loop
-that a parallel run must reproduce), `one_process_gpt` (that loop for the shared GPT on the global
-batch, the training scripts' reference), `params_gap` (max |difference| between two models) and
-`replica_gap` (are all ranks' copies identical?), used by every day's tests and scripts.
+The other half of every check, the one-process reference and the verdict, is dtl.reference.
+`script_error` runs a script expecting bad input to stop it with one line.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from multiprocessing import get_all_start_methods
 
 import torch
@@ -170,156 +167,3 @@ def _reap(procs, grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-# --- the one-process reference and the checks every day compares against -----------------------
-
-
-def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of model(x) against y (the GPT's loss_fn; works for (B, classes) too)."""
-    from dtl.model import loss_fn
-
-    return loss_fn(model(x), y)
-
-
-def reference_train(
-    model: torch.nn.Module,
-    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    loss: Callable = default_loss,
-    *,
-    clip_grad: float | None = None,
-    grad_norms: list[float] | None = None,
-    lr_at: Callable[[int], float] | None = None,
-) -> list[float]:
-    """`steps` plain training steps: the loop every parallel run is compared with.
-
-    `batch(step)` returns that step's (x, y). In one process it is the *global* batch (what all
-    ranks see together); a data-parallel rank may run this same loop on its own slice, with a
-    wrapped model, and must end where the one-process run ends. Returns the losses.
-    `clip_grad`: clip the global gradient norm to it before each step (Megatron's and nanoGPT's
-    clip_grad); `grad_norms`, if given, receives each step's norm before clipping. `lr_at(step)`,
-    if given, sets every parameter group's learning rate before that step (a schedule).
-    """
-    losses = []
-    for step in range(steps):
-        if lr_at is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-        x, y = batch(step)
-        optimizer.zero_grad(set_to_none=True)
-        value = loss(model, x, y)
-        value.backward()
-        if clip_grad is not None or grad_norms is not None:
-            limit = clip_grad if clip_grad else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-            if grad_norms is not None:
-                grad_norms.append(norm.item())
-        optimizer.step()
-        losses.append(value.item())
-    return losses
-
-
-def one_process_gpt(
-    model_cfg,
-    tokens: torch.Tensor,
-    *,
-    seq_len: int,
-    rows: int,
-    steps: int,
-    seed: int = 0,
-    lr: float = 1e-3,
-    make_optimizer: Callable | None = None,
-    weight_decay: float | None = None,
-    eps: float = 1e-8,
-    betas: tuple[float, float] = (0.9, 0.999),
-    clip_grad: float | None = None,
-    grad_norms: list[float] | None = None,
-    lr_at: Callable[[int], float] | None = None,
-):
-    """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
-    the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
-    the same rows the ranks split among themselves). The optimizer: `make_optimizer(params)` if
-    given; else AdamW(lr, eps), with torch's default decay (0.01 on every parameter, what the
-    days' scripts use) or, given `weight_decay`, decay on the matrices only
-    (dtl.model.optimizer_groups, Megatron's rule); `betas` Adam's. `clip_grad`, `grad_norms` and
-    `lr_at` as in reference_train. Returns (losses, the trained model)."""
-    from dtl.data import get_batch
-    from dtl.model import GPT, optimizer_groups
-
-    gpt = GPT(model_cfg, seed=seed)
-    if make_optimizer:
-        opt = make_optimizer(gpt.parameters())
-    elif weight_decay is None:
-        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps, betas=betas)
-    else:
-        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps, betas=betas)
-
-    def batch(step):
-        return get_batch(tokens, seq_len, rows, seed=seed, step=step)
-
-    losses = reference_train(
-        gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms, lr_at=lr_at
-    )
-    return losses, gpt
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter, flattened and concatenated (a tied weight once), detached."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def params_gap(a, b) -> float:
-    """max |a - b| over all parameters of two modules (or state dicts) with the same names."""
-    sa = a if isinstance(a, dict) else dict(a.named_parameters())
-    sb = b if isinstance(b, dict) else dict(b.named_parameters())
-    if sa.keys() != sb.keys():
-        raise ValueError(f"parameter names differ: {sorted(sa.keys() ^ sb.keys())[:5]}")
-    return max((sa[k].detach().double() - sb[k].detach().double()).abs().max().item() for k in sa)
-
-
-def reference_verdict(
-    losses,
-    params,
-    reference,
-    *,
-    steps: int,
-    device,
-    what: str = "one process",
-    rtol: float = 1e-5,
-    optimizer: str = "AdamW",
-) -> str:
-    """The check a training script ends with, as one printable phrase on every rank.
-
-    `reference()` runs on rank 0 only and returns (losses, {name: parameter}) of the one-process
-    run; `losses` and `params` (name -> full tensor, on rank 0) are the parallel run's. The
-    losses must agree within `rtol`; the parameters' largest difference is reported. The verdict
-    is broadcast (on `device`: NCCL needs CUDA tensors) so every rank prints and exits alike.
-    """
-    verdict = torch.zeros(3, dtype=torch.float64, device=device)
-    if dist.get_rank() == 0:
-        ref_losses, ref_params = reference()
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        gap = params_gap({k: v.cpu() for k, v in params.items()}, ref_params)
-        verdict = torch.tensor([rel, gap, float(rel <= rtol)], dtype=torch.float64, device=device)
-    dist.broadcast(verdict, src=0)
-    rel, gap, ok = verdict.tolist()
-    tol = f"{rtol:.0e}".replace("e-0", "e-")  # 1e-5, as the notes print it
-    return (
-        f"losses match {what} {'yes' if ok else 'NO'} (max rel diff {rel:.1e}, rtol {tol}; "
-        f"params max |diff| {gap:.1e} after {steps} {optimizer} steps)"
-    )
-
-
-def replica_gap(model: torch.nn.Module, group=None) -> float:
-    """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
-
-    Every rank of `group` must call it (a broadcast and an all_reduce).
-    """
-    flat = flat_params(model)
-    ref = flat.clone()
-    dist.broadcast(ref, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
-    gap = (flat - ref).abs().max()
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
-    return gap.item()

@@ -9,8 +9,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from day15_collectives import collectives, ddp_mnist
 from dtl import data
+from dtl.reference import reference_train
 from dtl.script_server import run_script
-from dtl.testing import reference_train, run_distributed
+from dtl.testing import run_distributed
 
 
 def _every_check_on_world_and_sub_groups():

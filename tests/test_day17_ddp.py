@@ -25,8 +25,9 @@ from dtl import profile
 from dtl.comm import CommCounter
 from dtl.data import get_batch
 from dtl.model import GPT, loss_fn, preset
+from dtl.reference import flat_params, reference_train
 from dtl.script_server import run_script
-from dtl.testing import flat_params, reference_train, run_distributed, script_error
+from dtl.testing import run_distributed, script_error
 
 CFG = preset("tiny")
 B, T, K, LR = 2, 16, 3, 0.5  # per-rank batch, sequence, optimizer steps, SGD lr (large on purpose)

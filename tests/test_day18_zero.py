@@ -20,16 +20,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day18_zero import engines, formulas
-from day18_zero.ds_engine import DsConfigError, default_ds_config_path, load_ds_config
+from day18_zero.ds_engine import default_ds_config_path
 from day18_zero.zero import ZeroError, ZeroModel, check_zero_args
 from dtl.comm import CommCounter
+from dtl.deepspeed import DsConfigError, load_ds_config
 from dtl.dist import all_reduce_scalar
 from dtl.model import GPT, preset
-from dtl.testing import reference_train, run_distributed, script_error
+from dtl.optim import OptimConfig
+from dtl.reference import reference_train
+from dtl.testing import run_distributed, script_error
 
 B, T, K = 2, 16, 3
-OPT = engines.OptimConfig(lr=1e-2, eps=1e-6)
-SGD = engines.OptimConfig(lr=0.5, name="sgd")  # Adam hides a gradient off by a factor; SGD not
+OPT = OptimConfig(lr=1e-2, eps=1e-6)
+SGD = OptimConfig(lr=0.5, name="sgd")  # Adam hides a gradient off by a factor; SGD not
 SGD_TOL = dict(rtol=1e-5, atol=1e-6)
 LOSS_TOL = dict(rtol=1e-5, atol=0.0)
 PARAM_TOL = dict(rtol=1e-5, atol=2e-5)
@@ -138,7 +141,7 @@ def _train_on_grid(counter, stage):
     """apply_zero on a 2 x 2 grid (dp=2, tp=2): ZeRO over each dp group only; the two tp ranks
     of a dp rank hold the same model and data, so each dp group must reproduce world size 2."""
     from day18_zero.zero import apply_zero
-    from dtl.dist import ParallelGrid
+    from dtl.grid import ParallelGrid
     from dtl.model import loss_fn
 
     grid = ParallelGrid(dp=2, tp=2)
@@ -529,7 +532,7 @@ def test_train_script_rejects_bad_input_with_one_line_and_exit_2(args, message, 
 
 
 def test_planned_device_follows_dtl_dist_rule_not_cuda_presence(monkeypatch):
-    from day18_zero.ds_engine import planned_device_type
+    from dtl.deepspeed import planned_device_type
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -550,7 +553,7 @@ def test_planned_device_follows_dtl_dist_rule_not_cuda_presence(monkeypatch):
 def test_use_run_accelerator_refuses_a_deepspeed_imported_with_the_other_device():
     from deepspeed.accelerator import get_accelerator
 
-    from day18_zero.ds_engine import use_run_accelerator
+    from dtl.deepspeed import use_run_accelerator
 
     assert get_accelerator().device_name() == "cpu"
     use_run_accelerator("cpu")
@@ -564,7 +567,7 @@ def test_deepspeed_takes_the_cpu_accelerator_for_a_gloo_run_on_a_gpu_machine():
     code = (
         "import torch\n"
         "torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 8\n"
-        "from day18_zero.ds_engine import planned_device_type, use_run_accelerator\n"
+        "from dtl.deepspeed import planned_device_type, use_run_accelerator\n"
         "use_run_accelerator(planned_device_type())\n"
         "from deepspeed.accelerator import get_accelerator\n"
         "print('accelerator', get_accelerator().device_name())\n"
@@ -581,7 +584,7 @@ def test_zero_init_keeps_the_dtype_it_is_given_on_a_cpu_without_fp16_kernels():
     # DeepSpeed 0.19.8 drops a given dtype for bf16 where its accelerator has no fp16 (this AMD
     # CPU, say); import_deepspeed patches that one rule. The accelerator is made to say "no
     # fp16" so the test proves the same thing on a CPU that has it.
-    from day18_zero.ds_engine import import_deepspeed
+    from dtl.deepspeed import import_deepspeed
 
     deepspeed = import_deepspeed("cpu")
     from deepspeed.accelerator import get_accelerator

@@ -30,9 +30,10 @@ from day19_tp.tp import (
     vocab_parallel_cross_entropy,
 )
 from dtl.comm import CommCounter
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
-from dtl.testing import reference_train, run_distributed, script_error
+from dtl.reference import reference_train
+from dtl.testing import run_distributed, script_error
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=250, bias=False)

@@ -19,7 +19,7 @@ from day20_pp.pipeline import (
     check_pipeline,
     stage_parameters,
 )
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.testing import run_distributed, script_error
 

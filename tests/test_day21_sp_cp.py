@@ -47,9 +47,10 @@ from day21_sp_cp.sp import (
 from day21_sp_cp.ulysses import UlyssesAttention
 from dtl.comm import CommCounter
 from dtl.data import cp_shard, cp_unshard
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
-from dtl.testing import reference_train, run_distributed, script_error
+from dtl.reference import reference_train
+from dtl.testing import run_distributed, script_error
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=256)
 B, T, K = 2, 16, 3

@@ -26,9 +26,10 @@ from day22_megatron.megatron_gpt import from_megatron, to_megatron
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, loss_fn, preset
-from dtl.testing import one_process_gpt, run_distributed, script_error
+from dtl.reference import one_process_gpt
+from dtl.testing import run_distributed, script_error
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="needs megatron-core (.[megatron])"

@@ -8,7 +8,7 @@ step 2, then resumes the offload ones from it. Model: `tiny` with a 32,768-word 
 its embedding partition (2 MiB) and its optimizer sub-group are above the 1 MiB aio minimum and
 really go to disk. fp32, AdamW with weight decay on the matrices and clipping at 1.0 (the
 templates' settings), K = 4 steps. Tolerances: losses rtol 1e-5 against no-offload ZeRO-3 and
-against one process (measured 1.9e-7); bytes per location within 1% of explain.predict
+against one process (measured 1.9e-7); bytes per location within 1% of predict.predict
 (measured 0.00% but for the optimizer's swap files, 0.1%); resume: bit-identical.
 """
 
@@ -20,11 +20,12 @@ import os
 import pytest
 import torch
 
-from day23_zero3_offload import explain, train
+from day23_zero3_offload import checks, predict, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.model import preset
-from dtl.testing import one_process_gpt, run_distributed, script_error
+from dtl.reference import one_process_gpt
+from dtl.testing import run_distributed, script_error
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (.[deepspeed])"
@@ -136,12 +137,12 @@ def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
 @pytest.mark.parametrize("name", ["zero3", *TEMPLATES])
 def test_bytes_per_location_are_where_the_explainer_says(runs, name):
     r = runs[name]
-    pred = explain.predict(r["ds"], explain.param_groups(preset("tiny", vocab_size=VOCAB)), 2)
-    for loc in explain.LOCATIONS:
-        for kind in explain.KINDS:
+    pred = predict.predict(r["ds"], predict.param_groups(preset("tiny", vocab_size=VOCAB)), 2)
+    for loc in predict.LOCATIONS:
+        for kind in predict.KINDS:
             want, got = pred[loc][kind], r["where"][loc][kind]
             assert abs(got - want) <= 0.01 * max(want, 1), f"{name} {loc}.{kind}: {got} vs {want}"
-    if explain.offload_device(r["ds"], "offload_param") == "nvme":
+    if checks.offload_device(r["ds"], "offload_param") == "nvme":
         assert r["where"]["nvme"]["params"] > 0  # the embedding's partition really is on disk
     # disk traffic, every step after the first: the prediction to 2% or 64 KiB (the step log and
     # TensorBoard's background writer add a few KB)
@@ -251,7 +252,7 @@ def test_hand_zero3_with_the_optimizer_on_cpu_equals_one_process():
 
 
 def _template(name="cpu") -> dict:
-    return copy.deepcopy(explain.read(explain.template_path(name)))
+    return copy.deepcopy(checks.read(checks.template_path(name)))
 
 
 def _broken(change):
@@ -284,8 +285,8 @@ def _broken(change):
     ],
 )  # fmt: skip
 def test_bad_configs_are_one_line_errors(ds, message):
-    with pytest.raises(explain.ExplainError) as err:
-        explain.check(ds, world=2)
+    with pytest.raises(checks.ExplainError) as err:
+        checks.check(ds, world=2)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -293,9 +294,9 @@ def test_missing_libaio_names_the_package(monkeypatch):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
-    with pytest.raises(explain.ExplainError, match="apt-get install libaio-dev"):
-        explain.check(_template("nvme"), world=2)
-    explain.check(_template("cpu"), world=2)  # no NVMe, no libaio needed
+    with pytest.raises(checks.ExplainError, match="apt-get install libaio-dev"):
+        checks.check(_template("nvme"), world=2)
+    checks.check(_template("cpu"), world=2)  # no NVMe, no libaio needed
 
 
 def test_train_script_stops_on_a_bad_config_with_one_line(tmp_path):
@@ -316,9 +317,9 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch):
 
 
 def test_size_formula_equals_the_built_model_and_the_fit_grows_with_offload():
-    cfg = explain.gpt_of(2, 256)
-    assert explain.groups_by_formula(cfg) == explain.param_groups(cfg)
+    cfg = predict.gpt_of(2, 256)
+    assert predict.groups_by_formula(cfg) == predict.param_groups(cfg)
     budget = 20e9  # device bytes per GPU, 8 GPUs, 1 TB of CPU
-    fits = {t: explain.largest_fit(_template(t), 8, budget) for t in explain.TEMPLATES}
-    n = {t: sum(map(sum, explain.groups_by_formula(c))) for t, c in fits.items()}
+    fits = {t: predict.largest_fit(_template(t), 8, budget) for t in checks.TEMPLATES}
+    n = {t: sum(map(sum, predict.groups_by_formula(c))) for t, c in fits.items()}
     assert n["zero3"] < n["opt_only"] and n["zero3"] < n["cpu"] <= n["nvme"]

@@ -24,7 +24,7 @@ from day28_gpt125m.recipe import Recipe, lr_at
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import DataError, get_batch
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.model import num_params, preset
 from dtl.testing import run_distributed, script_error
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from dtl.data import get_batch
 from dtl.model import GPT, loss_fn, preset
-from dtl.testing import flat_params, reference_train, run_distributed
+from dtl.reference import flat_params, reference_train
+from dtl.testing import run_distributed
 
 deepspeed = pytest.importorskip(
     "deepspeed", reason="needs the deepspeed extra: pip install -e '.[deepspeed]'"

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from dtl import compat
 from dtl.comm import BUSBW_FACTOR, CommCounter
-from dtl.dist import ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.testing import run_distributed
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from dtl import dist as dtl_dist
-from dtl.dist import BackendError, ParallelGrid, choose_backend
+from dtl.dist import BackendError, choose_backend
+from dtl.grid import ParallelGrid
 from dtl.testing import run_distributed
 
 

@@ -14,7 +14,7 @@ from megatron.core import package_info, tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402
 
 import dtl.megatron as dm  # noqa: E402
-from dtl.dist import ParallelGrid  # noqa: E402
+from dtl.grid import ParallelGrid  # noqa: E402
 from dtl.testing import run_distributed  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------

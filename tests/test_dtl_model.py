@@ -272,7 +272,7 @@ def test_tiny_key_bias_gradient_is_rounding_noise_and_tiny_nobias_has_none_such(
 
 
 def test_optimizer_groups_decay_matrices_and_embeddings_not_biases_or_norms():
-    from dtl.model import optimizer_groups
+    from dtl.optim import optimizer_groups
 
     gpt = GPT(preset("tiny"))
     decay, no_decay = optimizer_groups(gpt, 0.1)

@@ -46,7 +46,7 @@ def _batch(step):
 
 
 def test_reference_train_is_the_plain_loop_and_returns_its_losses():
-    from dtl.testing import params_gap, reference_train
+    from dtl.reference import params_gap, reference_train
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -69,7 +69,7 @@ def test_reference_train_is_the_plain_loop_and_returns_its_losses():
 
 
 def test_reference_train_clips_the_global_norm_and_reports_it_before_clipping():
-    from dtl.testing import params_gap, reference_train
+    from dtl.reference import params_gap, reference_train
 
     model, by_hand = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -91,7 +91,7 @@ def test_reference_train_clips_the_global_norm_and_reports_it_before_clipping():
 
 
 def _gap_with_one_rank_nudged(nudge):
-    from dtl.testing import replica_gap
+    from dtl.reference import replica_gap
 
     model = _model()
     if dist.get_rank() == 1:
@@ -107,7 +107,7 @@ def test_replica_gap_is_zero_for_identical_replicas_and_finds_a_one_element_drif
 
 
 def _verdicts():
-    from dtl.testing import reference_verdict
+    from dtl.reference import reference_verdict
 
     params = {"w": torch.ones(3)}
     ref = lambda losses: lambda: (losses, {"w": torch.ones(3) + 1e-3})  # noqa: E731
@@ -120,15 +120,41 @@ def test_reference_verdict_says_yes_within_rtol_no_outside_and_the_same_on_every
     results = run_distributed(_verdicts, world_size=2)
     assert results[0] == results[1]  # rank 1 prints what rank 0 computed
     same, off = results[0]
-    assert same.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
-    assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same
-    assert off.startswith("losses match one process NO (max rel diff 5.0e-05")
+    assert same.ok and not off.ok  # what a script decides with, not a sentence to parse
+    assert same.line.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
+    assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same.line
+    assert off.line.startswith("losses match one process NO (max rel diff 5.0e-05")
+    assert f"{same}" == same.line and same.params_gap == pytest.approx(1e-3)
+
+
+def _norm_verdicts():
+    from dtl.reference import reference_verdict
+
+    params = {"w": torch.ones(3)}
+    ref = lambda: ([1.0, 2.0], {"w": torch.ones(3)}, [3.0, 4.0])  # noqa: E731
+    kw = dict(steps=2, device="cpu")
+    same = reference_verdict([1.0, 2.0], params, ref, grad_norms=[3.0, 4.0], **kw)
+    off = reference_verdict([1.0, 2.0], params, ref, grad_norms=[3.0, 4.01], **kw)
+    return same, off
+
+
+def test_reference_verdict_compares_gradient_norms_when_both_runs_give_them():
+    same, off = run_distributed(_norm_verdicts, world_size=2)[1]  # rank 1: what rank 0 sent
+    assert same.ok and same.norm_rel == 0.0 and "grad norms max rel diff 0.0e+00" in same.line
+    assert not off.ok and off.norm_rel == pytest.approx(0.0025) and "NO" in off.line
+
+
+def test_a_skipped_verdict_is_ok_and_its_line_says_why():
+    from dtl.reference import Verdict
+
+    v = Verdict.skip("one-process check skipped (check=false)")
+    assert v.ok and str(v) == "one-process check skipped (check=false)"
 
 
 def test_one_process_gpt_trains_the_seeded_gpt_on_get_batch_rows_with_the_given_optimizer():
     from dtl.data import get_batch
     from dtl.model import GPT, preset
-    from dtl.testing import one_process_gpt, params_gap, reference_train
+    from dtl.reference import one_process_gpt, params_gap, reference_train
 
     cfg, tokens = preset("tiny"), torch.arange(2000) % 256
     losses, gpt = one_process_gpt(cfg, tokens, seq_len=8, rows=3, steps=2, seed=1, lr=1e-2)

@@ -1,0 +1,156 @@
+"""Day 22: megatron-core's training pieces as a library: its model chunks from the dtl GPT, DDP,
+optimizer and scheduler, and one optimizer step through its pipeline schedule.
+
+    parts = build(gpt_cfg, grid, device, optim=OptimConfig(...), clip_grad=1.0, steps=4)
+    step = make_forward_step(seq_len, device)
+    loss, grad_norm = train_step(parts, step, micro_batches, seq_len=32, micro_batch_size=1)
+
+Every argument is explicit: train_megatron.py (the lesson's script) and day 28's megatron strategy
+both build from here. megatron-core's parallel_state must exist first (dtl.megatron).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import dtl.megatron as dm
+from day22_megatron.megatron_gpt import build_model_chunks, load_dense
+from dtl.grid import ParallelGrid
+from dtl.model import GPT, GPTConfig
+from dtl.optim import OptimConfig
+
+
+@dataclass
+class Parts:
+    """What build returns: the GPTModel chunks (this rank's stages), their DDP wrappers,
+    megatron's optimizer and its scheduler (None: the caller sets each step's lr itself)."""
+
+    chunks: list
+    model: list
+    optimizer: object
+    scheduler: object | None
+
+
+def causal_mask(T: int, device) -> torch.Tensor:
+    """megatron's attention mask: True where a query may NOT look (the future), (1, 1, T, T)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1).view(1, 1, T, T)
+
+
+def loss_func(per_token_loss: torch.Tensor):
+    """Mean cross-entropy of one micro-batch. The schedule divides it by the number of
+    micro-batches and DDP by the DP size, so the gradient is the global batch's mean."""
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides in place
+
+
+def make_forward_step(T: int, device):
+    """megatron's forward_step_func: a micro-batch from the iterator, the model's per-token loss."""
+    mask = causal_mask(T, device)
+    pos = torch.arange(T, device=device).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        x, y = next(data_iterator)  # (b, T) token ids and targets of one micro-batch
+        return model(x, pos.expand_as(x), mask, labels=y), loss_func
+
+    return forward_step
+
+
+def build(
+    gpt_cfg: GPTConfig,
+    grid: ParallelGrid,
+    device: torch.device,
+    *,
+    optim: OptimConfig,
+    clip_grad: float,
+    steps: int,
+    vpp: int | None = None,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    bf16: bool = False,
+    seed: int = 0,
+    scheduler: bool = True,
+) -> Parts:
+    """Megatron's model chunks, DDP wrappers, optimizer and (a constant) scheduler, from the dtl
+    GPT(gpt_cfg, seed): one model for every layout. `vpp`: model chunks per pipeline rank
+    (interleaved 1F1B); `distributed_optimizer`: Adam's state sharded over DP (ZeRO-1)."""
+    from megatron.core import tensor_parallel as mtp
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(seed)
+    mtp.model_parallel_cuda_manual_seed(seed)  # megatron's per-TP-rank RNG streams
+    chunks = build_model_chunks(
+        gpt_cfg, grid, vpp=vpp, sequence_parallel=sequence_parallel, params_dtype=dtype, bf16=bf16
+    )
+    load_dense(chunks, GPT(gpt_cfg, seed=seed).state_dict(), gpt_cfg, grid)  # one model for all
+    for chunk in chunks:
+        chunk.to(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+    )
+    model = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam", min_lr=optim.lr, clip_grad=clip_grad, **optim.megatron_kwargs(),
+        use_distributed_optimizer=distributed_optimizer, bf16=bf16, params_dtype=dtype,
+    )  # fmt: skip
+    with dm.optimizer_shim():
+        optimizer = get_megatron_optimizer(opt_config, model)
+    sched = None
+    if scheduler:
+        # The scheduler is what applies wd_mult: without it, torch's Adam would decay every
+        # group, biases and LayerNorm weights too (megatron's groups only *record* wd_mult = 0).
+        lr, wd = optim.lr, optim.weight_decay
+        sched = OptimizerParamScheduler(
+            optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+            lr_decay_steps=steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
+            wd_incr_steps=steps, wd_incr_style="constant",
+        )  # fmt: skip
+    return Parts(chunks, model, optimizer, sched)
+
+
+def set_lr_and_decay(parts: Parts, lr: float, weight_decay: float) -> None:
+    """What OptimizerParamScheduler.step writes, for a caller with its own schedule."""
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+def train_step(parts: Parts, forward_step, mbs, *, seq_length: int, micro_batch_size: int):
+    """One optimizer step: megatron's schedule runs every micro-batch's forward and backward.
+    Without a scheduler the caller has written this step's lr and weight decay into the groups.
+    Returns (the mean loss where this rank knows it (last stage), else 0.0; the global norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model, optimizer = parts.model, parts.optimizer
+    for m in model:
+        m.zero_grad_buffer()  # the DDP buffers hold main_grad; zero them, not param.grad
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()  # by parallel_state's pp and vpp sizes
+    iterators = [iter(list(mbs)) for _ in model]  # each chunk reads every micro-batch once
+    outputs = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(mbs),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )  # finalize_model_grads ran at its end: grads synced over DP, tied embeddings summed
+    with dm.optimizer_shim():
+        _, grad_norm, _ = optimizer.step()  # clip by the global norm (over TP x PP), then Adam
+    if parts.scheduler is not None:
+        parts.scheduler.step(increment=1)
+    # the loss exists on the last pipeline stage only (one dict per micro-batch)
+    loss = sum(o["lm loss"].item() for o in outputs) / len(mbs) if outputs else 0.0
+    return loss, grad_norm

@@ -1,0 +1,308 @@
+"""Day 23: where every byte of a ZeRO-3 (offload) run's training state will live, per rank:
+device, CPU memory, NVMe; the largest GPT a budget fits; the links that bound offload.
+
+The prediction, per rank, for a model of parameters n_i, N ranks, parameter bytes e (4 fp32,
+2 bf16), each partition ceil(n_i / N) elements (ZeRO-3 pads every parameter on its own), and
+the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same places):
+
+    gathered     the peak of full parameters held at once (device): every non-persistent one
+                 (the reuse rule at its default; measured so at smaller distances too, _gathered)
+    params       sum ceil(n_i/N)·e        device; CPU with offload_param; NVMe with offload_param
+                                           nvme for partitions of >= max(1 MiB, aio block_size)
+                                           bytes (smaller ones stay in CPU memory)
+    persistent   n_i·e for n_i <= stage3_param_persistence_threshold: whole on every rank's device
+    grads        sum ceil(n_i/N)·e        device; CPU with offload_optimizer; with the optimizer
+                                           and the parameters on NVMe the swappable partitions'
+                                           gradients also on disk (the nvme template, measured;
+                                           optimizer-only NVMe is predicted without, unmeasured)
+    optim        12·sum ceil(n_i/N)       fp32 master, exp_avg, exp_avg_sq; device, CPU, or NVMe
+                                           (one file each per sub-group, 1 KiB aligned)
+    buffers      device: the gradient-reduction bucket, reduce_bucket_size x e (with
+                 contiguous_gradients); NVMe only, pinned CPU: buffer_count x buffer_size x e
+                 (parameters) + buffer_count x the largest sub-group x 4 (optimizer)
+DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs) is printed beside it: it
+assumes mixed precision (18 bytes per parameter, 4 x the largest layer on the device) and a 1.5x
+buffer factor on the CPU, so the two differ by design; the notes read both.
+"""
+
+from __future__ import annotations
+
+import math
+
+from day23_zero3_offload.checks import (
+    AIO_ALIGN,
+    AIO_BLOCK_DEFAULT,
+    MIN_AIO_BYTES,
+    TEMPLATES,
+    offload_device,
+    read,
+    template_path,
+)
+from dtl.metrics import PEAK_BF16_FLOPS
+from dtl.model import GPT, GPTConfig, flops_per_token
+
+GB, MiB = 1e9, 1024**2
+LOCATIONS = ("device", "cpu", "nvme")
+KINDS = ("params", "persistent", "gathered", "grads", "optim", "buffers")
+
+
+# --- the prediction --------------------------------------------------------------------------
+
+
+def param_groups(cfg: GPTConfig) -> list[list[int]]:
+    """The element counts of every parameter, in the optimizer groups train.py gives DeepSpeed
+    (dtl.optim.optimizer_groups: the matrices, then biases and norms), a tied weight once."""
+    import torch
+
+    from dtl.optim import optimizer_groups
+
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    return [[p.numel() for p in g["params"]] for g in optimizer_groups(gpt, 0.0)]
+
+
+def _aligned(nbytes: float) -> int:
+    return int(math.ceil(nbytes / AIO_ALIGN) * AIO_ALIGN)
+
+
+def _sub_groups(parts: list[int], sub_group_size: int) -> list[list[int]]:
+    """DeepSpeed cuts each optimizer group into sub-groups of whole parameters of at most
+    sub_group_size elements (one optimizer step and one set of swap files each)."""
+    groups, current = [], []
+    for k in parts:
+        if current and sum(current) + k > sub_group_size:
+            groups.append(current)
+            current = []
+        current.append(k)
+    return [*groups, current] if current else groups
+
+
+def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str, float]]:
+    """This rank's bytes by location and kind, from the config and the parameter groups."""
+    zero = ds.get("zero_optimization", {})
+    e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    parts = [[math.ceil(n / world) for n in g] for g in groups]  # each parameter's partition
+    flat = [k for g in parts for k in g]
+    subs = [s for g in parts for s in _sub_groups(g, zero.get("sub_group_size", 1_000_000_000))]
+    out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
+    out["device"]["gathered"] = _gathered([n for g in groups for n in g if n > threshold]) * e
+    if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
+        out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
+    min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
+    swappable = lambda k, size=e: k * size >= min_aio  # noqa: E731
+    param_dev, opt_dev = (
+        offload_device(ds, "offload_param"),
+        offload_device(ds, "offload_optimizer"),
+    )
+    paged = 0.0
+    if param_dev == "nvme":
+        section = zero["offload_param"]
+        in_cpu = _cpu_resident(parts, subs, section.get("max_in_cpu", 1_000_000_000))
+        paged_subs = [s for s, resident in zip(subs, in_cpu) if not resident]
+        paged = sum(k * e for s in paged_subs for k in s if swappable(k))
+        out["cpu"]["params"] = sum(
+            k * e for s, r in zip(subs, in_cpu) for k in s if r or not swappable(k)
+        )
+        out["nvme"]["params"] = sum(k * e for k in flat if swappable(k))  # written at start, all
+        count, size = section.get("buffer_count", 5), section.get("buffer_size", 100_000_000)
+        out["cpu"]["buffers"] += count * _aligned(size * e)
+    else:
+        out["cpu" if param_dev == "cpu" else "device"]["params"] = sum(flat) * e
+    opt_home = "cpu" if opt_dev != "none" else "device"
+    out[opt_home]["grads"] = sum(flat) * e
+    read = write = paged  # parameters beyond max_in_cpu: in for forward, out after the update
+    if opt_dev == "nvme":
+        on_disk = [sum(s) for s in subs if swappable(sum(s), 4)]
+        out["nvme"]["optim"] = 3 * sum(_aligned(S * 4) for S in on_disk)  # master, m, v
+        out["cpu"]["optim"] = 12 * sum(sum(s) for s in subs if not swappable(sum(s), 4))
+        out["nvme"]["grads"] = (
+            sum(k * 4 for k in flat if swappable(k)) if param_dev == "nvme" else 0
+        )
+        count = zero["offload_optimizer"].get("buffer_count", 4)
+        out["cpu"]["buffers"] += count * _aligned(max(on_disk, default=0) * 4)
+        params_in = sum(k * e for k in flat if swappable(k)) if param_dev == "nvme" else 0
+        read += params_in + out["nvme"]["optim"]  # the step swaps its sub-groups in
+        write += out["nvme"]["grads"] + out["nvme"]["optim"]
+    else:
+        out[opt_home]["optim"] = 12 * sum(flat)
+    out["disk"] = {"read": read, "write": write}
+    return out
+
+
+def _gathered(gathered_sizes: list[int]) -> int:
+    """Peak elements ZeRO-3 holds gathered (full) at once: every non-persistent parameter.
+
+    DeepSpeed's release rule (partitioned_param_coordinator.py, __params_to_release) keeps a
+    parameter gathered after its module ran if the trace reuses it within
+    stage3_max_reuse_distance elements; every parameter is reused in backward, so at the
+    default (1e9) nothing is released from forward to backward. Smaller distances and
+    stage3_max_live_parameters are meant to release earlier, but measured here (bench.py
+    --part=keys, a 4 x 256 GPT, DeepSpeed 0.19.8 on CPU) neither lowered the peak: it stayed
+    at every non-persistent parameter. The prediction follows the measurement."""
+    return sum(gathered_sizes)
+
+
+def _cpu_resident(parts, subs, max_in_cpu: int) -> list[bool]:
+    """Which sub-groups get DeepSpeed's flat pinned CPU copy under params-on-NVMe: each
+    optimizer group gets min(its size, max_in_cpu - what earlier groups took) elements, and a
+    sub-group lives there if it fits whole (stage3.py, _create_param_groups_fp16_flat_cpu_memory).
+    The others are paged: read from NVMe for every forward, written after every update."""
+    resident, taken = [], 0
+    sub_iter = iter(subs)
+    for group in parts:
+        room = max(0, min(sum(group), max_in_cpu - taken))
+        taken += sum(group)
+        offset, left = 0, sum(group)
+        while left > 0:
+            s = next(sub_iter)
+            resident.append(offset + sum(s) <= room)
+            offset += sum(s)
+            left -= sum(s)
+    return resident
+
+
+def deepspeed_estimate(ds: dict, sizes: list[int], world: int) -> tuple[float, float]:
+    """(CPU bytes per node, device bytes per GPU) from DeepSpeed's estimator for this config."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        sum(sizes),
+        max(sizes),
+        num_gpus_per_node=world,
+        cpu_offload=offload_device(ds, "offload_optimizer") != "none",
+        cpu_offload_params=offload_device(ds, "offload_param") != "none",
+    )
+    return cpu, gpu
+
+
+def totals(where: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {loc: sum(where[loc].values()) for loc in LOCATIONS}
+
+
+def table(pred: dict, measured: dict | None = None) -> str:
+    """Rows: location x kind, MB; measured beside predicted where given."""
+    head = f"{'where':<8}{'kind':<12}{'predicted MB':>14}" + (
+        f"{'measured MB':>13}{'diff':>8}" if measured else ""
+    )
+    lines = [head]
+    for loc in LOCATIONS:
+        for kind in KINDS:
+            want = pred[loc][kind]
+            got = measured[loc][kind] if measured else None
+            if not want and not got:
+                continue
+            row = f"{loc:<8}{kind:<12}{want / 1e6:>14.3f}"
+            if measured:
+                diff = (got - want) / want if want else float("inf")
+                row += f"{got / 1e6:>13.3f}{diff:>+8.2%}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+# --- the largest GPT a budget fits -------------------------------------------------------------
+
+WIDTHS = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288)
+DEPTHS = (12, 24, 32, 40, 48, 64, 80, 96)
+
+
+def gpt_of(n_layer: int, n_embd: int) -> GPTConfig:
+    """A GPT of the grid: heads of 128 (at least one), GPT-3's 2,048 positions, GPT-2's padded
+    vocabulary."""
+    n_head = max(1, n_embd // 128)
+    return GPTConfig(
+        n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=2048, vocab_size=50304
+    )
+
+
+def groups_by_formula(cfg: GPTConfig) -> list[list[int]]:
+    """param_groups(cfg) without building the model (a 100B GPT's thousands of meta tensors
+    take seconds): the matrices, then the biases and LayerNorm vectors, in model order."""
+    C, V, T, L = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.n_layer
+    matrices = [V * C, T * C, *[3 * C * C, C * C, 4 * C * C, 4 * C * C] * L]
+    vectors = [*[C, C, 3 * C, C, C, C, 4 * C, C] * L, C, C]
+    return [matrices, vectors]
+
+
+def fits(ds: dict, groups, world: int, device_budget: float, cpu_budget: float) -> bool:
+    """Does the model state fit: per rank on the device (resident partitions, persistent and
+    gathered parameters, buffers), and in the node's CPU memory (every rank's together)?"""
+    t = totals(predict(ds, groups, world))
+    return t["device"] <= device_budget and t["cpu"] * world <= cpu_budget
+
+
+def largest_fit(
+    ds: dict,
+    world: int,
+    device_budget: float,
+    cpu_budget: float = 1e12,
+    widths=WIDTHS,
+    depths=DEPTHS,
+) -> GPTConfig | None:
+    """The GPT of the grid (widths x depths) with the most parameters that fits both budgets."""
+    best, best_n = None, 0
+    for L in depths:
+        for C in widths:
+            groups = groups_by_formula(gpt_of(L, C))
+            n = sum(map(sum, groups))
+            if n > best_n and fits(ds, groups, world, device_budget, cpu_budget):
+                best, best_n = gpt_of(L, C), n
+    return best
+
+
+# --- what bounds offload on one GPU: the links -------------------------------------------------
+
+# one H200 SXM (or H100 SXM): its host link is PCIe Gen5 x16, 64 GB/s per direction on paper,
+# ~55 GB/s measured by bandwidthTest-style copies from pinned memory; one PCIe Gen4 NVMe SSD:
+# ~7 GB/s read, ~4 GB/s write (datasheets of current data-centre drives). Assumptions, named.
+PCIE_GBS = 55.0
+NVME_READ_GBS, NVME_WRITE_GBS = 7.0, 4.0
+MFU = 0.4
+
+
+def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
+    """Bytes one step moves over PCIe (each way) and NVMe, for one rank.
+
+    offload_optimizer: the gradients go down (device -> CPU) and the updated parameters come
+    back up. offload_param: every non-persistent parameter comes up for forward and stays to
+    backward (_gathered); the update happens in CPU memory, so nothing else comes back.
+    NVMe: predict's disk traffic."""
+    pred = predict(ds, groups, world)
+    e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    psi_r = sum(math.ceil(n / world) for g in groups for n in g) * e
+    up = down = 0.0
+    if offload_device(ds, "offload_optimizer") != "none":
+        down += psi_r  # gradients
+        up += 0.0 if offload_device(ds, "offload_param") != "none" else psi_r
+    if offload_device(ds, "offload_param") != "none":
+        up += pred["device"]["gathered"]  # fetched once, kept to backward (_gathered)
+    return dict(up=up, down=down, nvme_read=pred["disk"]["read"], nvme_write=pred["disk"]["write"])
+
+
+def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
+    """Per step on one H200, bf16: the seconds the links need beside the seconds of compute
+    (at MFU of the dense peak) for `tokens` tokens, and the tokens per step at which the
+    compute would hide the slowest link (overlapped perfectly)."""
+    head = (
+        f"{'model':<11}{'template':<10}{'PCIe up GB':>11}{'down GB':>9}{'NVMe r GB':>10}"
+        f"{'w GB':>7}{'link s':>8}{'compute s':>10}{'tokens to hide':>16}"
+    )
+    lines = [head]
+    for name, cfg in models.items():
+        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * PEAK_BF16_FLOPS["H200"])
+        for t in TEMPLATES:
+            ds = read(template_path(t))
+            ds["bf16"] = {"enabled": True}
+            b = link_bytes(ds, groups_by_formula(cfg))
+            link = max(
+                b["up"] / (PCIE_GBS * GB),
+                b["down"] / (PCIE_GBS * GB),
+                b["nvme_read"] / (NVME_READ_GBS * GB) + b["nvme_write"] / (NVME_WRITE_GBS * GB),
+            )
+            lines.append(
+                f"{name:<11}{t:<10}{b['up'] / GB:>11.2f}{b['down'] / GB:>9.2f}"
+                f"{b['nvme_read'] / GB:>10.2f}{b['nvme_write'] / GB:>7.2f}{link:>8.2f}"
+                f"{per_token * tokens:>10.2f}{link / per_token:>16,.0f}"
+            )
+    return "\n".join(lines)

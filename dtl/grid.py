@@ -1,0 +1,188 @@
+"""The parallel grid: which rank holds which (pp, dp, cp, tp) coordinates, and the process
+groups along each axis and their combinations (dtl.dist starts the processes; this lays them out).
+
+    grid = ParallelGrid(tp=2, pp=2)           # dp = world / (pp·cp·tp)
+    grid.tp_group, grid.dp_rank, grid.group("dp", "cp"), grid.next_rank
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# Megatron's default rank order "tp-cp-dp-pp" (parallel_state's `order`, with expert parallelism
+# 1): TP innermost, so a TP group shares a node's fast links; PP outermost.
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+# groups over several axes that the days need, built with the single-axis ones:
+#   dp x cp  gradients are averaged over every rank that saw other tokens (CP ranks did too)
+#   tp x pp  Megatron's "model parallel" group: the gradient norm sums over every shard
+DEFAULT_COMBOS = (("dp", "cp"), ("tp", "pp"))
+
+
+def _key(axes) -> tuple[str, ...]:
+    """Axes in the grid's order (outer to inner), validated: ("tp", "dp") -> ("dp", "tp")."""
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or not axes or len(set(axes)) != len(axes):
+        raise ValueError(f"ParallelGrid: bad axes {axes!r}; use distinct names from {AXES}")
+    return tuple(a for a in AXES if a in axes)
+
+
+def _pipeline_ends(pp_ranks: list[int]) -> list[int]:
+    """The first and last stage of a pipeline group: one rank when there is one stage."""
+    return sorted({pp_ranks[0], pp_ranks[-1]})
+
+
+class ParallelGrid:
+    """Rank <-> (pp, dp, cp, tp) coordinates, and process groups along axes and their combinations.
+
+    Rank r sits at `torch.arange(world).view(pp, dp, cp, tp)[p, d, c, t] == r`: consecutive ranks
+    differ in tp first, then cp, then dp, then pp. Megatron's own example, 16 GPUs, tp=2 pp=4
+    (so dp=2): tp groups [0,1] [2,3] ...; dp groups [0,2] [1,3] [4,6] ...; pp groups
+    [0,4,8,12] [1,5,9,13] ... (megatron/core/parallel_state.py, initialize_model_parallel).
+
+        grid = ParallelGrid(dp=2, tp=2)          # keyword-only sizes; their product = world size
+        grid.tp_rank, grid.tp_size, grid.tp_group
+        grid.group("dp", "cp")                   # any built combination, in any order
+        grid.next_rank, grid.prev_rank           # pp neighbours (global ranks, wrapping around)
+        grid.embedding_group                     # first + last pp stage: tied wte / lm_head grads
+        grid.device_mesh()                       # the same ranks as a DeviceMesh (pp, dp, cp, tp)
+
+    Creating a group is collective (every rank creates every group, in the same order), so the
+    groups are built once, here: each axis, `DEFAULT_COMBOS`, the `combos` you pass, and the
+    embedding group. Asking for another combination is a one-line error that says how to add it.
+    """
+
+    def __init__(
+        self,
+        *,
+        dp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        tp: int = 1,
+        world_size: int | None = None,
+        rank: int | None = None,
+        build_groups: bool | None = None,
+        combos=(),
+    ):
+        self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        for axis, size in self.sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"ParallelGrid: {axis} must be a positive integer, got {size!r}")
+        initialized = dist.is_initialized()
+        world_size = (
+            world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        )
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        product = dp * pp * cp * tp
+        if product != world_size:
+            raise ValueError(
+                f"ParallelGrid: dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {product} "
+                f"does not match world size {world_size}"
+            )
+        self.world_size = world_size
+        self.ranks = torch.arange(world_size).view(pp, dp, cp, tp)  # host: a rank table
+        where = (self.ranks == self.rank).nonzero()[0].tolist()
+        self.coords = dict(zip(AXES, where))
+        self.combos = [(a,) for a in AXES]
+        for combo in (*DEFAULT_COMBOS, *combos):
+            if _key(combo) not in self.combos:
+                self.combos.append(_key(combo))
+        self.groups: dict[tuple[str, ...], object] = {}
+        self.embedding_group = None
+        if build_groups if build_groups is not None else initialized:
+            self._build_groups()
+
+    # --- rank lists (pure: no process group needed) ---------------------------------------------
+    def group_ranks(self, *axes: str) -> list[list[int]]:
+        """Every group spanning `axes`, as lists of global ranks (the same on every rank)."""
+        key = _key(axes)
+        dims = [AXES.index(a) for a in key]
+        size = math.prod(self.sizes[a] for a in key)
+        moved = self.ranks.movedim(dims, list(range(4 - len(dims), 4))).reshape(-1, size)
+        return [row.tolist() for row in moved]
+
+    def ranks_along(self, *axes: str) -> list[int]:
+        """The global ranks in this rank's group spanning `axes`, ascending."""
+        return next(g for g in self.group_ranks(*axes) if self.rank in g)
+
+    def embedding_ranks(self) -> list[int]:
+        """First and last pipeline stage of this rank's pp group (one rank when pp == 1): the
+        ranks holding wte and the tied lm_head, whose gradients must be summed."""
+        return _pipeline_ends(self.ranks_along("pp"))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.sizes["pp"] - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (the last stage's next is the first)."""
+        return self._stage_rank(+1)
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (the first stage's previous is the last)."""
+        return self._stage_rank(-1)
+
+    def _stage_rank(self, offset: int) -> int:
+        pp_ranks = self.ranks_along("pp")
+        return pp_ranks[(self.coords["pp"] + offset) % len(pp_ranks)]
+
+    # --- process groups -------------------------------------------------------------------------
+    def _build_groups(self) -> None:
+        # new_group is collective: every rank creates every group, in the same order, keeps its own.
+        for key in self.combos:
+            for ranks in self.group_ranks(*key):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[key] = group
+        for pp_ranks in self.group_ranks("pp"):  # pp groups are disjoint: one group each
+            ranks = _pipeline_ends(pp_ranks)
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.embedding_group = group
+
+    def group(self, *axes: str):
+        """The process group of this rank spanning `axes` (e.g. group("dp", "cp"))."""
+        key = _key(axes)
+        if key not in self.groups:
+            why = "was not built" if self.groups else "was not built (no process group yet)"
+            raise ValueError(
+                f"ParallelGrid: the {'x'.join(key)} group {why}; pass "
+                f"combos=[{key!r}] to ParallelGrid(...)"
+            )
+        return self.groups[key]
+
+    def device_mesh(self, device_type: str | None = None):
+        """The same grid as a torch DeviceMesh with dims ("pp", "dp", "cp", "tp").
+
+        For DTensor, FSDP2 (fully_shard) and parallelize_module comparisons: mesh["tp"] holds
+        exactly the ranks of grid.tp_group. Creating it is collective (it builds its own groups).
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return DeviceMesh(device_type, self.ranks, mesh_dim_names=AXES)
+
+    def __getattr__(self, name: str):
+        # grid.tp_rank, grid.dp_size, grid.pp_group ... read off the tables above
+        axis, _, what = name.partition("_")
+        if axis in AXES and what in ("rank", "size", "group"):
+            if what == "rank":
+                return self.coords[axis]
+            if what == "size":
+                return self.sizes[axis]
+            return self.group(axis)
+        raise AttributeError(name)
+
+    def __str__(self) -> str:
+        sizes = "-".join(f"{a.upper()}({self.sizes[a]})" for a in reversed(AXES))
+        coords = ", ".join(f"{a}={self.coords[a]}" for a in AXES)
+        return f"{sizes} rank {self.rank}: {coords}"

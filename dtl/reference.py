@@ -1,0 +1,220 @@
+"""The one-process reference every parallel run is checked against, and the verdict it gives.
+
+    losses = reference_train(model, batch, optimizer, steps)   # the plain loop, one process
+    losses, gpt = one_process_gpt(cfg, tokens, seq_len=.., rows=.., steps=..)  # the scripts' one
+    v = reference_verdict(losses, params, reference, steps=5, device=device)
+    v.ok, v.loss_rel, v.params_gap       # the record a script decides with
+    print(f"summary: ... {v}")          # its one printable line, the same on every rank
+
+`params_gap` (max |difference| between two models), `replica_gap` (are all ranks' copies
+identical?) and `flat_params` are the smaller checks the days' tests and scripts use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of model(x) against y (the GPT's loss_fn; works for (B, classes) too)."""
+    from dtl.model import loss_fn
+
+    return loss_fn(model(x), y)
+
+
+def reference_train(
+    model: torch.nn.Module,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    loss: Callable = default_loss,
+    *,
+    clip_grad: float | None = None,
+    grad_norms: list[float] | None = None,
+    lr_at: Callable[[int], float] | None = None,
+) -> list[float]:
+    """`steps` plain training steps: the loop every parallel run is compared with.
+
+    `batch(step)` returns that step's (x, y). In one process it is the *global* batch (what all
+    ranks see together); a data-parallel rank may run this same loop on its own slice, with a
+    wrapped model, and must end where the one-process run ends. Returns the losses.
+    `clip_grad`: clip the global gradient norm to it before each step (Megatron's and nanoGPT's
+    clip_grad); `grad_norms`, if given, receives each step's norm before clipping. `lr_at(step)`,
+    if given, sets every parameter group's learning rate before that step (a schedule).
+    """
+    losses = []
+    for step in range(steps):
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+        x, y = batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(model, x, y)
+        value.backward()
+        if clip_grad is not None or grad_norms is not None:
+            limit = clip_grad if clip_grad else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
+        optimizer.step()
+        losses.append(value.item())
+    return losses
+
+
+def one_process_gpt(
+    model_cfg,
+    tokens: torch.Tensor,
+    *,
+    seq_len: int,
+    rows: int,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    make_optimizer: Callable | None = None,
+    weight_decay: float | None = None,
+    eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
+    clip_grad: float | None = None,
+    grad_norms: list[float] | None = None,
+    lr_at: Callable[[int], float] | None = None,
+):
+    """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
+    the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
+    the same rows the ranks split among themselves). The optimizer: `make_optimizer(params)` if
+    given; else AdamW(lr, eps), with torch's default decay (0.01 on every parameter, what the
+    days' scripts use) or, given `weight_decay`, decay on the matrices only
+    (dtl.optim.optimizer_groups, Megatron's rule); `betas` Adam's. `clip_grad`, `grad_norms` and
+    `lr_at` as in reference_train. Returns (losses, the trained model)."""
+    from dtl.data import get_batch
+    from dtl.model import GPT, optimizer_groups
+
+    gpt = GPT(model_cfg, seed=seed)
+    if make_optimizer:
+        opt = make_optimizer(gpt.parameters())
+    elif weight_decay is None:
+        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps, betas=betas)
+    else:
+        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps, betas=betas)
+
+    def batch(step):
+        return get_batch(tokens, seq_len, rows, seed=seed, step=step)
+
+    losses = reference_train(
+        gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms, lr_at=lr_at
+    )
+    return losses, gpt
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter, flattened and concatenated (a tied weight once), detached."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def params_gap(a, b) -> float:
+    """max |a - b| over all parameters of two modules (or state dicts) with the same names."""
+    sa = a if isinstance(a, dict) else dict(a.named_parameters())
+    sb = b if isinstance(b, dict) else dict(b.named_parameters())
+    if sa.keys() != sb.keys():
+        raise ValueError(f"parameter names differ: {sorted(sa.keys() ^ sb.keys())[:5]}")
+    return max((sa[k].detach().double() - sb[k].detach().double()).abs().max().item() for k in sa)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A parallel run against its one-process reference: the numbers, and the line notes quote.
+
+    ok          the losses agree within rtol (and the gradient norms, where both runs gave them)
+    loss_rel    max relative difference of the per-step losses
+    params_gap  max |difference| of the parameters after the last step
+    norm_rel    max relative difference of the per-step gradient norms (None: not compared)
+    skipped     why no comparison ran ("" when one did); such a verdict is ok, and its line says why
+    """
+
+    ok: bool
+    loss_rel: float
+    params_gap: float
+    rtol: float
+    steps: int
+    what: str = "one process"
+    optimizer: str = "AdamW"
+    norm_rel: float | None = None
+    skipped: str = ""
+
+    @classmethod
+    def skip(cls, why: str) -> Verdict:
+        """No comparison (a run too large, a precision the reference does not share, ...)."""
+        nan = float("nan")
+        return cls(ok=True, loss_rel=nan, params_gap=nan, rtol=nan, steps=0, skipped=why)
+
+    @property
+    def line(self) -> str:
+        if self.skipped:
+            return self.skipped
+        tol = f"{self.rtol:.0e}".replace("e-0", "e-")  # 1e-5, as the notes print it
+        norms = "" if self.norm_rel is None else f"grad norms max rel diff {self.norm_rel:.1e}; "
+        return (
+            f"losses match {self.what} {'yes' if self.ok else 'NO'} (max rel diff "
+            f"{self.loss_rel:.1e}, rtol {tol}; {norms}params max |diff| {self.params_gap:.1e} "
+            f"after {self.steps} {self.optimizer} steps)"
+        )
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def _max_rel(a, b) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def reference_verdict(
+    losses,
+    params,
+    reference,
+    *,
+    steps: int,
+    device,
+    what: str = "one process",
+    rtol: float = 1e-5,
+    optimizer: str = "AdamW",
+    grad_norms: list[float] | None = None,
+) -> Verdict:
+    """The check a training script ends with, the same Verdict on every rank.
+
+    `reference()` runs on rank 0 only and returns (losses, {name: parameter}) of the one-process
+    run, or (losses, params, grad_norms) to compare the norms too; `losses`, `params` (name ->
+    full tensor, on rank 0) and `grad_norms` are the parallel run's. The losses (and norms) must
+    agree within `rtol`; the parameters' largest difference is reported. The numbers are
+    broadcast (on `device`: NCCL needs CUDA tensors) so every rank prints and exits alike.
+    """
+    numbers = torch.zeros(4, dtype=torch.float64, device=device)  # loss_rel, gap, norm_rel, ok
+    if dist.get_rank() == 0:
+        ref = reference()
+        loss_rel = _max_rel(losses, ref[0])
+        gap = params_gap({k: v.cpu() for k, v in params.items()}, ref[1])
+        norm_rel = _max_rel(grad_norms, ref[2]) if grad_norms and len(ref) > 2 else -1.0
+        ok = loss_rel <= rtol and norm_rel <= rtol
+        row = [loss_rel, gap, norm_rel, float(ok)]
+        numbers = torch.tensor(row, dtype=torch.float64, device=device)
+    dist.broadcast(numbers, src=0)  # (4,) float64 from rank 0 -> every rank
+    loss_rel, gap, norm_rel, ok = numbers.tolist()
+    return Verdict(
+        ok=bool(ok), loss_rel=loss_rel, params_gap=gap, rtol=rtol, steps=steps, what=what,
+        optimizer=optimizer, norm_rel=None if norm_rel < 0 else norm_rel,
+    )  # fmt: skip
+
+
+def replica_gap(model: torch.nn.Module, group=None) -> float:
+    """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
+
+    Every rank of `group` must call it (a broadcast and an all_reduce).
+    """
+    flat = flat_params(model)
+    ref = flat.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    gap = (flat - ref).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
+    return gap.item()
