@@ -50,7 +50,7 @@ class Config:
             raise dtl_config.ConfigError(f"sizes must be integers, got '{self.sizes}'") from None
         if not sizes or min(sizes) < 4:
             raise dtl_config.ConfigError(f"sizes must be >= 4 bytes (one float), got {sizes}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = dtl_dist.launch_world_size()
         if self.hang_rank < -1 or self.hang_rank >= world or (self.hang_rank >= 0 and world < 2):
             raise dtl_config.ConfigError(
                 f"hang_rank {self.hang_rank} needs a rank of a world of >= 2 (world is {world})"

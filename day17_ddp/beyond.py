@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,9 @@ PARTS = ("buffers", "join", "syncbn", "compile")
 
 @dataclass
 class Config:
-    part: str = "all"  # all | buffers | join | syncbn | compile
+    part: Literal[("all", *PARTS)] = "all"  # all | buffers | join | syncbn | compile
     lr: float = 0.1  # SGD learning rate of the join replay
     out_dir: str = "outputs/day17_ddp/beyond"  # where config.json goes
-
-    def validate(self) -> None:
-        if self.part != "all" and self.part not in PARTS:
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; one of all, {PARTS}")
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from day17_ddp import observe, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import load_corpus
+from dtl.data import load_corpus, tokenizer_for
 from dtl.metrics import write_csv
 from dtl.model import preset
 from dtl.profile import StepTimes
@@ -56,7 +57,7 @@ COLUMNS = [
 
 @dataclass
 class SweepConfig:
-    part: str = "sweep"  # sweep | ratio
+    part: Literal["sweep", "ratio"] = "sweep"  # sweep | ratio
     model: str = "small"  # GPT preset
     batch_size: int = 4  # sequences per rank per step
     seq_len: int = 64  # tokens per sequence
@@ -66,8 +67,6 @@ class SweepConfig:
     out_dir: str = "outputs/day17_ddp/sweep"  # CSV, PNG and logs
 
     def validate(self) -> None:
-        if self.part not in ("sweep", "ratio"):
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; choose sweep or ratio")
         if self.steps <= self.warmup or self.repeats < 1:
             raise dtl_config.ConfigError("need steps > warmup and repeats >= 1")
 
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     scfg = dtl_config.parse(SweepConfig, argv)
     info = dtl_dist.init()
     dtl_config.save(scfg, scfg.out_dir, argv)
-    corpus = load_corpus(tokenizer="auto" if preset(scfg.model).vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(preset(scfg.model).vocab_size))
     dtl_dist.print0(
         f"{scfg.part} on {info.world_size} ranks, {scfg.model} GPT, "
         f"{scfg.batch_size}x{scfg.seq_len} tokens per rank\n{HEADER}"

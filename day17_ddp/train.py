@@ -30,9 +30,9 @@ from day17_ddp.ddp_manual import SyncError, check_sync_args, wrap
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import BUSBW_FACTOR
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.profile import StepTimes, overlap_fraction, quiet_native_stderr
 from dtl.reference import replica_gap
 
@@ -40,7 +40,8 @@ from dtl.reference import replica_gap
 @dataclass
 class Config:
     sync: str = "bucket"  # naive | overlap | bucket | ddp
-    model: str = "small"  # GPT preset; `small` has the 50,304-token vocabulary (25 MiB wte grad)
+    # GPT preset; `small` has the 50,304-token vocabulary (25 MiB wte grad)
+    model: PresetName = "small"
     tie_weights: bool = True  # lm_head shares wte; False gives lm_head its own 25 MiB gradient
     batch_size: int = 4  # sequences per rank per micro-step
     seq_len: int = 64  # tokens per sequence: 4 x 64 = 256 tokens per rank per micro-step
@@ -64,10 +65,6 @@ class Config:
             check_sync_args(self.sync, self.bucket_cap_mb, self.first_bucket_mb)
         except SyncError as e:
             raise dtl_config.ConfigError(str(e)) from None
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(
-                f"unknown model '{self.model}'; one of {', '.join(PRESETS)}"
-            )
         timed = sum(1 for s in range(self.warmup, self.steps) if s not in self.profiled_steps())
         if min(self.batch_size, self.seq_len, self.grad_accum) < 1 or timed < 1:
             raise dtl_config.ConfigError(
@@ -152,7 +149,7 @@ def _sync_device(info) -> None:
 
 def run(cfg: Config, info) -> dict:
     # the GPT-2 BPE for the 50k-vocabulary presets, bytes for `tiny` (vocabulary 256)
-    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(preset(cfg.model).vocab_size))
     gpt, model, opt = build(cfg, info)
     log = StepLogger(
         cfg.out_dir,

@@ -23,10 +23,10 @@ from day18_zero import engines
 from day18_zero.ds_engine import default_ds_config_path
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import write_csv
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
 
 # pair name -> (A, B): (impl, stage) of the two trainers compared
@@ -39,7 +39,7 @@ PAIRS = {
 @dataclass
 class Config:
     pairs: str = "zero2,zero3"  # comma-separated: zero2 (hand vs DeepSpeed), zero3 (hand vs FSDP2)
-    model: str = "small"  # GPT preset
+    model: PresetName = "small"  # GPT preset
     dtype: str = "fp32"  # fp32 | bf16 for zero2; zero3 always runs fp32 (FSDP2 here has no master)
     batch_size: int = 4  # sequences per rank
     seq_len: int = 64  # tokens per sequence
@@ -53,8 +53,6 @@ class Config:
         bad = [p for p in self.pair_list if p not in PAIRS]
         if bad or not self.pair_list:
             raise err(f"unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if self.dtype not in ("fp32", "bf16"):
             raise err(f"dtype must be fp32 or bf16, got '{self.dtype}'")
         if self.steps <= self.warmup:
@@ -72,7 +70,7 @@ class Config:
             stage=stage,
             micro_batch=self.batch_size,
             grad_accum=1,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            world_size=dtl_dist.launch_world_size(),
             opt=OptimConfig(),
             dtype=self.dtype,
             device_type=device_type,
@@ -142,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
-    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(preset(cfg.model).vocab_size))
     rows = [compare(cfg, info, corpus.train, pair) for pair in cfg.pair_list]
     if info.is_main:
         write_csv(rows, os.path.join(cfg.out_dir, "bench.csv"))

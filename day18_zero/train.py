@@ -26,6 +26,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 
@@ -35,10 +36,10 @@ from day18_zero.zero import STAGES as HAND_ZERO_STAGES
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
@@ -48,10 +49,12 @@ MB = 1e6
 
 @dataclass
 class Config:
-    stage: int = 2  # ZeRO stage: 0 (plain data parallel) | 1 | 2 | 3
-    impl: str = "hand"  # hand | torch | deepspeed
-    model: str = "small"  # GPT preset (`small`: 7.3M parameters, 6.4M of them in wte)
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU)
+    # ZeRO stage: 0 (plain data parallel) | 1 | 2 | 3
+    stage: Annotated[Literal[formulas.STAGES_ALL], "ZeRO stage"] = 2
+    impl: Literal[engines.IMPLS] = "hand"  # hand | torch | deepspeed
+    model: PresetName = "small"  # GPT preset (`small`: 7.3M parameters, 6.4M of them in wte)
+    # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU)
+    dtype: Literal[DTYPES] = "fp32"
     batch_size: int = 4  # sequences per rank per micro-step (DeepSpeed's micro batch)
     seq_len: int = 64  # tokens per sequence
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -70,14 +73,6 @@ class Config:
     def validate(self) -> None:
         self.out_dir = self.out_dir or f"outputs/day18_zero/{self.impl}-zero{self.stage}"
         err = dtl_config.ConfigError
-        if self.stage not in formulas.STAGES_ALL:
-            raise err(f"unknown ZeRO stage {self.stage}; choose one of 0, 1, 2, 3")
-        if self.impl not in engines.IMPLS:
-            raise err(f"unknown impl '{self.impl}'; choose one of {', '.join(engines.IMPLS)}")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
-        if self.dtype not in DTYPES:
-            raise err(f"unknown dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
         try:
             self.device_type = planned_device_type()  # the device init() will give this run
         except DsConfigError as e:
@@ -107,7 +102,7 @@ class Config:
                 stage=self.stage,
                 micro_batch=self.batch_size,
                 grad_accum=self.grad_accum,
-                world_size=int(os.environ.get("WORLD_SIZE", "1")),  # torchrun's, before init
+                world_size=dtl_dist.launch_world_size(),  # torchrun's, before init
                 opt=self.optim(),
                 dtype=self.dtype,
                 device_type=self.device_type,  # DeepSpeed's accelerator: the run's device
@@ -159,7 +154,7 @@ def comm_of_step(counter: CommCounter, before: dict) -> dict[str, float]:
 
 
 def run(cfg: Config, info) -> dict:
-    corpus = load_corpus(tokenizer="auto" if preset(cfg.model).vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(preset(cfg.model).vocab_size))
     # entered before the trainer exists: DeepSpeed binds torch.distributed's functions at init
     counter = CommCounter().__enter__()
     trainer = build_trainer(cfg, info)

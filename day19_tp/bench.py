@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -31,25 +32,20 @@ from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
 from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PresetName, preset
 
 MB = 1e6
 
 
 @dataclass
 class Config:
-    part: str = "table"  # table (t = 1, 2, 4, ... that divide the world) | ratio (ours / megatron)
-    model: str = "small"  # GPT preset
+    # table (t = 1, 2, 4, ... that divide the world) | ratio (ours / megatron)
+    part: Literal["table", "ratio"] = "table"
+    model: PresetName = "small"  # GPT preset
     batch_size: int = 4  # sequences per rank
     seq_len: int = 64  # tokens per sequence
     steps: int = 6  # timed steps per configuration (after one warm-up)
     out_dir: str = "outputs/day19_tp/bench"  # table.csv
-
-    def validate(self) -> None:
-        if self.part not in ("table", "ratio"):
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; choose table or ratio")
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(f"unknown model '{self.model}'")
 
 
 def _tp_sizes(world: int, cfg) -> list[int]:

@@ -32,10 +32,10 @@ from day19_tp.tp import TPError, apply_tp, check_tp, full_tensors, tp_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PresetName, preset
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -44,7 +44,7 @@ MB = 1e6
 @dataclass
 class Config:
     tp: int = 2  # tensor-parallel size (Megatron's tensor_model_parallel_size); dp = world / tp
-    model: str = "small"  # GPT preset (`small`: 4 heads, n_embd 128, vocabulary 50,304)
+    model: PresetName = "small"  # GPT preset (`small`: 4 heads, n_embd 128, vocabulary 50,304)
     pad_vocab: bool = False  # pad the vocabulary to a multiple of tp (rows the loss masks out)
     batch_size: int = 4  # sequences per DP rank
     seq_len: int = 64  # tokens per sequence
@@ -57,12 +57,10 @@ class Config:
     def validate(self) -> None:
         if self.tp < 1:
             raise dtl_config.ConfigError(f"tp must be >= 1, got {self.tp}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         dp = world // self.tp if world % self.tp == 0 else 0
         self.out_dir = self.out_dir or f"outputs/day19_tp/tp{self.tp}-dp{dp}"
         err = dtl_config.ConfigError
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if world % self.tp:
             raise err(f"tp {self.tp} does not divide the world size {world}")
         try:
@@ -82,7 +80,7 @@ def build(cfg: Config, grid: ParallelGrid, device):
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = preset(cfg.model)
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     gpt, model, opt = build(cfg, grid, info.device)
     tokens = cfg.batch_size * cfg.seq_len
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=tokens * grid.dp_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -27,27 +28,22 @@ from day20_pp.pipeline import PipelineRunner, build_stages, stage_parameters
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
-from dtl.model import PRESETS, GPTConfig, preset
+from dtl.model import GPTConfig, PresetName, preset
 
-RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+RUNS = schedules.every_schedule()  # (name, v): interleaved with 2 chunks
 
 
 @dataclass
 class Config:
-    part: str = "bubble"  # bubble (fixed-cost stages, p = 2 and 4) | small (the GPT at p = 2)
+    # bubble (fixed-cost stages, p = 2 and 4) | small (the GPT at p = 2)
+    part: Literal["bubble", "small"] = "bubble"
     t_f_ms: float = 40.0  # bubble: a forward's cost; I and W cost the same, B twice
     microbatches: int = 8  # m
     steps: int = 2  # steps per schedule (the last one is measured)
-    model: str = "small"  # part=small: GPT preset
+    model: PresetName = "small"  # part=small: GPT preset
     seq_len: int = 64  # part=small: tokens per sequence
     micro_batch_size: int = 2  # sequences per micro-batch
     out_dir: str = "outputs/day20_pp/bench"  # config.json
-
-    def validate(self) -> None:
-        if self.part not in ("bubble", "small"):
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; choose bubble or small")
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(f"unknown model '{self.model}'")
 
 
 class _Path(torch.autograd.Function):
@@ -106,12 +102,13 @@ def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
     grid = ParallelGrid(pp=p, dp=world // p)
     width = 8
     gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
+    plan = schedules.make(name, p, cfg.microbatches, v)
+    first = [plan.placement.stage(grid.pp_rank, c) == 0 for c in range(v)]
     stages = [
-        FixedCostStage(width, cfg.t_f_ms / 1e3, first=(c * p + grid.pp_rank == 0), device=device)
-        for c in range(v)
+        FixedCostStage(width, cfg.t_f_ms / 1e3, first=first[c], device=device) for c in range(v)
     ]
-    runner = PipelineRunner(stages, grid, gcfg, (1, 4))
-    actions = schedules.make(name, p, cfg.microbatches, v)[grid.pp_rank]
+    runner = PipelineRunner(stages, grid, gcfg, (1, 4), placement=plan.placement)
+    actions = plan[grid.pp_rank]
     batches = [
         (torch.zeros(1, 4, dtype=torch.long, device=device),) * 2 for _ in range(cfg.microbatches)
     ]
@@ -164,8 +161,11 @@ def run_small(cfg: Config, info) -> list[dict]:
     out = []
     for name, v in RUNS:
         stages = [s.to(info.device) for s in build_stages(mcfg, grid, v)]
-        runner = PipelineRunner(stages, grid, mcfg, (rows_in, cfg.seq_len))
-        actions = schedules.make(name, 2, cfg.microbatches, v)[grid.pp_rank]
+        plan = schedules.make(name, 2, cfg.microbatches, v)
+        runner = PipelineRunner(
+            stages, grid, mcfg, (rows_in, cfg.seq_len), placement=plan.placement
+        )
+        actions = plan[grid.pp_rank]
         times = []
         for _ in range(cfg.steps + 1):
             dist.barrier()

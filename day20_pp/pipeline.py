@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from day20_pp.schedules import Action, p2p_lane
+from day20_pp.schedules import Action, Placement, p2p_lane
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 
@@ -77,9 +77,9 @@ def build_stage(cfg: GPTConfig, stage: int, n_stages: int, seed: int) -> GPT:
 
 
 def build_stages(cfg: GPTConfig, grid: ParallelGrid, v: int, seed: int = 0) -> list[GPT]:
-    p, r = grid.pp_size, grid.pp_rank
-    check_pipeline(cfg, p, v)
-    return [build_stage(cfg, c * p + r, p * v, seed) for c in range(v)]
+    place = Placement(grid.pp_size, v)
+    check_pipeline(cfg, place.p, v)
+    return [build_stage(cfg, place.stage(grid.pp_rank, c), place.n_stages, seed) for c in range(v)]
 
 
 @dataclass
@@ -98,10 +98,13 @@ class PipelineRunner:
         cfg: GPTConfig,
         micro_shape: tuple[int, int],
         loss=loss_fn,
+        placement: Placement | None = None,
     ):
         self.stages, self.grid, self.cfg, self.loss_fn = stages, grid, cfg, loss
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
-        self.n_stages = self.p * self.v
+        # where the stages live: the schedule's placement (the loop over ranks by default)
+        self.placement = placement or Placement(self.p, self.v)
+        self.n_stages = self.placement.n_stages
         self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
         first = next(p for s in stages for p in s.parameters())
         self.device, self.dtype = first.device, first.dtype  # recv buffers: as the stages
@@ -111,14 +114,15 @@ class PipelineRunner:
     # --- where things live --------------------------------------------------------------------
 
     def _stage(self, chunk: int) -> int:
-        return chunk * self.p + self.r
+        return self.placement.stage(self.r, chunk)
 
     def _rank_of(self, stage: int) -> int:
-        return self.pp_ranks[stage % self.p]
+        return self.pp_ranks[self.placement.rank(stage)]
 
     def _lane(self, src_stage: int, dst_stage: int):
         """The process group of a message between two stages' ranks (by their pipeline index)."""
-        return self.lane_groups[p2p_lane(src_stage % self.p, dst_stage % self.p)]
+        rank = self.placement.rank
+        return self.lane_groups[p2p_lane(rank(src_stage), rank(dst_stage))]
 
     def _tag(self, mb: int, stage: int, backward: bool) -> int:
         return (mb * self.n_stages + stage) * 2 + int(backward)
@@ -253,10 +257,9 @@ class Pipeline:
         from day20_pp import schedules
 
         self.stages, self.grid = stages, grid
-        self.actions = schedules.make(schedule, grid.pp_size, microbatches, len(stages))[
-            grid.pp_rank
-        ]
-        self.runner = PipelineRunner(stages, grid, cfg, micro_shape, loss)
+        plan = schedules.make(schedule, grid.pp_size, microbatches, len(stages))
+        self.actions = plan[grid.pp_rank]  # this rank's list
+        self.runner = PipelineRunner(stages, grid, cfg, micro_shape, loss, plan.placement)
 
     def parameters(self):
         return unique_parameters(self.stages)
@@ -284,10 +287,11 @@ def apply_pp(
 
     cfg, p = model.cfg, grid.pp_size
     check_pipeline(cfg, p, chunks)
-    n_stages, per = p * chunks, cfg.n_layer // (p * chunks)
+    place = Placement(p, chunks)
+    n_stages, per = place.n_stages, cfg.n_layer // place.n_stages
     stages = []
     for c in range(chunks):
-        s = c * p + grid.pp_rank
+        s = place.stage(grid.pp_rank, c)
         shared = {id(g): g for m in model.modules() for g in [getattr(m, "group", None)] if g}
         if hasattr(model, "tp"):
             shared[id(model.tp)] = model.tp  # TPInfo: holds a process group, not tensors

@@ -2,7 +2,8 @@
 
 An action is (kind, micro-batch, chunk): kind F (forward), B (backward: input and weight
 gradients together), I (backward for the input gradient only) or W (the weight gradient only).
-`chunk` is the model chunk (interleaved schedules hold v chunks per rank; stage = chunk·p + rank).
+`chunk` is the model chunk (interleaved schedules hold v chunks per rank); which stage a chunk is,
+and which rank holds a stage, is the schedule's Placement (Megatron's loop: stage = chunk·p + rank).
 
     gpipe(p, m)          all m forwards, then all m backwards: m micro-batches in flight
     one_f_one_b(p, m)    p - r - 1 warm-up forwards, then one forward / one backward, then the
@@ -21,6 +22,7 @@ The runtime (pipeline.py) executes the same lists on real stages.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,15 +30,49 @@ from typing import NamedTuple
 class Action(NamedTuple):
     kind: str  # "F", "B", "I" or "W"
     mb: int  # micro-batch
-    chunk: int = 0  # model chunk on this rank (interleaved); the stage is chunk * p + rank
+    chunk: int = 0  # model chunk on this rank (interleaved); its stage: Placement.stage
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
-Schedule = list[list[Action]]  # [rank][step]
+@dataclass(frozen=True)
+class Placement:
+    """Where the p·v pipeline stages live. Megatron's interleaving loops over the ranks: chunk c
+    of rank r is stage c·p + r, so rank r holds stages r, r + p, r + 2p, ... Every user of a
+    stage number (the simulator, the p2p plan, the runtime, the stage builder) asks the
+    placement, never the formula: a V-shaped schedule (DualPipe-V: rank r holds stages r and
+    2p - 1 - r) is then one more Placement, not six silent bugs."""
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+    p: int
+    v: int = 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    def stage(self, rank: int, chunk: int = 0) -> int:
+        return chunk * self.p + rank
+
+    def rank(self, stage: int) -> int:
+        return stage % self.p
+
+    def chunk(self, stage: int) -> int:
+        return stage // self.p
+
+
+class Schedule(list):
+    """Per rank, the ordered list of actions ([rank][step]), carrying the placement of its
+    stages (a plain list of lists is read as the loop over len(schedule) ranks)."""
+
+    def __init__(self, ranks=(), placement: Placement | None = None):
+        super().__init__(ranks)
+        self.placement = placement or Placement(len(self))
+
+
+def placement_of(schedule, v: int = 1) -> Placement:
+    """The schedule's own placement, or the loop over its ranks with v chunks each."""
+    return getattr(schedule, "placement", None) or Placement(len(schedule), v)
 
 
 class ScheduleError(ValueError):
@@ -50,9 +86,8 @@ def _check(p: int, m: int) -> None:
 
 def gpipe(p: int, m: int) -> Schedule:
     _check(p, m)
-    return [
-        [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)
-    ]
+    acts = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+    return Schedule([list(acts) for _ in range(p)], Placement(p))
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -65,7 +100,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             acts += [Action("F", warmup + i), Action("B", i)]
         acts += [Action("B", i) for i in range(m - warmup, m)]
         out.append(acts)
-    return out
+    return Schedule(out, Placement(p))
 
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
@@ -91,7 +126,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
             acts += [Action("F", *unit(warmup + k, True)), Action("B", *unit(k, False))]
         acts += [Action("B", *unit(k, False)) for k in range(total - warmup, total)]
         out.append(acts)
-    return out
+    return Schedule(out, Placement(p, v))
 
 
 def zero_bubble(p: int, m: int) -> Schedule:
@@ -107,7 +142,7 @@ def zero_bubble(p: int, m: int) -> Schedule:
         [Action("I", a.mb) if a.kind == "B" else a for a in acts] for acts in one_f_one_b(p, m)
     ]
     done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> end time
-    out: Schedule = [[] for _ in range(p)]
+    out = Schedule([[] for _ in range(p)], Placement(p))
     pos, pending, free, alive = [0] * p, [[] for _ in range(p)], [0] * p, [0] * p
     t = 0
     while any(pos[r] < len(order[r]) or pending[r] for r in range(p)):
@@ -141,14 +176,43 @@ def _zb_ready(a: Action, r: int, p: int, t: int, done) -> bool:
     return by(("F", r, a.mb)) and (r == p - 1 or by(("I", r + 1, a.mb)))
 
 
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule the course knows: how to build its lists, its textbook bubble, and whether it
+    takes v model chunks per rank. Adding a schedule is one entry here (and its builder above);
+    the tests run every entry."""
+
+    build: Callable[..., Schedule]  # (p, m), or (p, m, v) when chunks
+    bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle fraction
+    chunks: bool = False
+
+
+# The textbook idle fractions: (p-1)/(m+p-1) for GPipe and 1F1B ((p-1)(tF+tB) idle per rank over
+# a makespan of (m+p-1)(tF+tB)); (p-1)/(v·m+p-1) interleaved; for ZB-H1, whose idle is
+# (p-1)(tF+tI-tW) (Qi et al., section 3), (p-1)/(3m+p-1) with tF = tI = tW.
+SCHEDULES = {
+    "gpipe": ScheduleKind(gpipe, lambda p, m, v: (p - 1) / (m + p - 1)),
+    "1f1b": ScheduleKind(one_f_one_b, lambda p, m, v: (p - 1) / (m + p - 1)),
+    "interleaved": ScheduleKind(interleaved, lambda p, m, v: (p - 1) / (v * m + p - 1), True),
+    "zb": ScheduleKind(zero_bubble, lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+}
+
+
+def every_schedule(chunks: int = 2) -> list[tuple[str, int]]:
+    """(name, v) for every schedule: `chunks` model chunks per rank where it takes them. What the
+    bench compares and the tests run: a new entry in SCHEDULES is benched and tested with it."""
+    return [(name, chunks if kind.chunks else 1) for name, kind in SCHEDULES.items()]
+
+
 def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved(p, m, v)
+    kind = SCHEDULES[name]
+    if kind.chunks:
+        return kind.build(p, m, v)
     if v != 1:
         raise ScheduleError(f"--chunks {v} is for the interleaved schedule only")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}[name](p, m)
+    return kind.build(p, m)
 
 
 # --- playing the lists: dependencies, timeline, bubble ------------------------------------------
@@ -189,10 +253,10 @@ COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # a backward costs about twice
 def simulate(schedule: Schedule, v: int = 1, costs: dict[str, float] | None = None) -> Timeline:
     """Run every rank's list in order; an action starts when its rank is free and its inputs
     exist: F of stage s needs F of stage s - 1 (same micro-batch) done; B or I of stage s needs
-    B or I of stage s + 1 done (and its own F); W needs its own I. Stage = chunk·p + rank."""
+    B or I of stage s + 1 done (and its own F); W needs its own I. Stages: the placement's."""
     costs = costs or COSTS
-    p = len(schedule)
-    n_stages = p * v
+    place = placement_of(schedule, v)
+    p, n_stages = len(schedule), place.n_stages
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     pos, free = [0] * p, [0.0] * p
     spans: list[list] = [[] for _ in range(p)]
@@ -202,7 +266,7 @@ def simulate(schedule: Schedule, v: int = 1, costs: dict[str, float] | None = No
         for r in range(p):
             while pos[r] < len(schedule[r]):
                 a = schedule[r][pos[r]]
-                stage = a.chunk * p + r
+                stage = place.stage(r, a.chunk)
                 ready = _ready_time(a, stage, n_stages, done)
                 if ready is None:
                     break
@@ -234,14 +298,8 @@ def _ready_time(a: Action, stage: int, n_stages: int, done) -> float | None:
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
-    """The textbook idle fraction: (p-1)/(m+p-1) for GPipe and 1F1B ((p-1)(tF+tB) idle per rank
-    over a makespan of (m+p-1)(tF+tB)); (p-1)/(v·m+p-1) interleaved; for ZB-H1, whose idle is
-    (p-1)(tF+tI-tW) (Qi et al., section 3), (p-1)/(3m+p-1) with tF = tI = tW."""
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if name == "zb":
-        return (p - 1) / (3 * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    """The textbook idle fraction of schedule `name` (SCHEDULES: each kind's own formula)."""
+    return SCHEDULES[name].bubble(p, m, v)
 
 
 def ascii_timeline(tl: Timeline, unit: float = 1.0) -> str:
@@ -264,23 +322,23 @@ def p2p_posts(schedule: Schedule, v: int = 1) -> list[list[tuple[str, int, tuple
     """Per rank, its point-to-point operations in the order the runtime (pipeline.py) posts
     them: ("recv", source rank, message) before an action's compute, ("send", destination rank,
     message) after it. A message is (kind, receiving stage, micro-batch), kind "act" or "grad"."""
-    p = len(schedule)
-    n_stages = p * v
+    place = placement_of(schedule, v)
+    n_stages, rank = place.n_stages, place.rank
     out = []
     for r, acts in enumerate(schedule):
         posts = []
         for a in acts:
-            stage = a.chunk * p + r
+            stage = place.stage(r, a.chunk)
             if a.kind == "F":  # the activation from the previous stage, then to the next
                 if stage > 0:
-                    posts.append(("recv", (stage - 1) % p, ("act", stage, a.mb)))
+                    posts.append(("recv", rank(stage - 1), ("act", stage, a.mb)))
                 if stage < n_stages - 1:
-                    posts.append(("send", (stage + 1) % p, ("act", stage + 1, a.mb)))
+                    posts.append(("send", rank(stage + 1), ("act", stage + 1, a.mb)))
             elif a.kind in ("B", "I"):  # dL/d(output) from the next stage, dL/d(input) back
                 if stage < n_stages - 1:
-                    posts.append(("recv", (stage + 1) % p, ("grad", stage, a.mb)))
+                    posts.append(("recv", rank(stage + 1), ("grad", stage, a.mb)))
                 if stage > 0:
-                    posts.append(("send", (stage - 1) % p, ("grad", stage - 1, a.mb)))
+                    posts.append(("send", rank(stage - 1), ("grad", stage - 1, a.mb)))
         out.append(posts)
     return out
 

@@ -37,10 +37,10 @@ from day20_pp.pipeline import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus, split_micro_batches
+from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import PRESETS, preset
+from dtl.model import PresetName, preset
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
@@ -51,7 +51,7 @@ class Config:
     chunks: int = 1  # model chunks per rank (interleaved: Megatron's virtual pipeline size)
     microbatches: int = 8  # micro-batches per step (m)
     micro_batch_size: int = 2  # sequences per micro-batch
-    model: str = "small"  # GPT preset (`small` has 4 layers: pp x chunks must divide it)
+    model: PresetName = "small"  # GPT preset (`small` has 4 layers: pp x chunks must divide it)
     seq_len: int = 64  # tokens per sequence
     steps: int = 4  # optimizer steps
     lr: float = 1e-3  # AdamW learning rate
@@ -64,12 +64,10 @@ class Config:
             raise dtl_config.ConfigError(
                 f"pp and chunks must be >= 1, got {self.pp}, {self.chunks}"
             )
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         dp = world // self.pp if world % self.pp == 0 else 0
         self.out_dir = self.out_dir or f"outputs/day20_pp/{self.schedule}-pp{self.pp}-dp{dp}"
         err = dtl_config.ConfigError
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if world % self.pp:
             raise err(f"pp {self.pp} does not divide the world size {world}")
         try:
@@ -97,7 +95,7 @@ def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = preset(cfg.model)
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     stages = [s.to(info.device) for s in build_stages(mcfg, grid, cfg.chunks, cfg.seed)]
     params = unique_parameters(stages)
     opt = torch.optim.AdamW(params, lr=cfg.lr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,8 @@ LAYOUTS = tuple(formulas.LAYOUTS)
 
 @dataclass
 class Config:
-    part: str = "ring"  # ring (imbalance, overlap, vs one process) | memory (activations)
+    # ring (imbalance, overlap, vs one process) | memory (activations)
+    part: Literal["ring", "memory"] = "ring"
     seq_len: int = 2048  # ring: tokens of the one sequence
     heads: int = 4  # ring: attention heads
     head_dim: int = 32  # ring: head dim
@@ -55,9 +57,7 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.part not in ("ring", "memory"):
-            raise err(f"unknown part '{self.part}'; choose ring or memory")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = dtl_dist.launch_world_size()
         if self.part == "ring" and (world < 2 or self.seq_len % (2 * world)):
             raise err(f"part=ring needs >= 2 ranks and seq_len divisible by 2 x {world}")
         if self.part == "memory" and world != 2:

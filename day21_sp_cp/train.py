@@ -21,7 +21,6 @@ the global batch and compares losses and parameters.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -36,10 +35,10 @@ from day21_sp_cp.sp import apply_sp
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
-from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -55,7 +54,7 @@ class Config:
     sp: bool = False  # Megatron sequence parallelism on top of TP (needs tp > 1)
     pad_vocab: bool = False  # TP: pad the vocabulary to a multiple of tp (GPT-2's 50,257)
     save_gathered: bool = False  # SP: keep the all-gathered input for backward (no re-gather)
-    model: str = "small"  # GPT preset (`small`: 4 layers, 4 heads, n_embd 128, block 128)
+    model: PresetName = "small"  # GPT preset (`small`: 4 layers, 4 heads, n_embd 128, block 128)
     batch_size: int = 2  # sequences per DP rank
     seq_len: int = 128  # tokens per sequence (split over cp, then over tp under SP)
     steps: int = 4  # optimizer steps
@@ -66,9 +65,7 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
+        world = dtl_dist.launch_world_size()
         if world % (self.cp * self.tp):
             raise err(f"cp {self.cp} x tp {self.tp} does not divide the world size {world}")
         if self.sp and self.tp == 1:
@@ -147,7 +144,7 @@ def predicted_bytes(cfg: Config) -> dict[str, float]:
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = preset(cfg.model)
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     gpt, model, opt = build(cfg, grid, info.device)
     act = measure_activations(cfg, gpt, grid, info.device)
     log = StepLogger(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
-from dtl.model import PRESETS
+from dtl.model import PresetName
 
 MB = 1e6
 AXES = ("tp", "pp", "dp")
@@ -43,11 +44,12 @@ VOCAB_MULTIPLE = train_4d.Config.make_vocab_size_divisible_by  # both stacks pad
 
 @dataclass
 class Config:
-    part: str = "layouts"  # layouts (every layout, ours) | ratio (megatron-core vs ours)
+    # layouts (every layout, ours) | ratio (megatron-core vs ours)
+    part: Literal["layouts", "ratio"] = "layouts"
     tp: int = 2  # --part=ratio: the layout both stacks run
     pp: int = 2  # --part=ratio
     repeats: int = 2  # --part=ratio: runs of each, alternated
-    model: str = "small"  # GPT preset (`small`: 4 layers, 4 heads, n_embd 128)
+    model: PresetName = "small"  # GPT preset (`small`: 4 layers, 4 heads, n_embd 128)
     micro_batch_size: int = 1  # sequences per micro-batch
     global_batch_size: int = 8  # sequences per step (m = global / (micro x dp) per DP rank)
     seq_len: int = 128  # tokens per sequence
@@ -56,15 +58,9 @@ class Config:
     out_dir: str = ""  # sweep.csv, sweep.png (empty: outputs/day22_megatron/sweep-world<N>)
 
     def validate(self) -> None:
-        if self.part not in ("layouts", "ratio"):
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; layouts or ratio")
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(
-                f"unknown model '{self.model}'; one of {', '.join(PRESETS)}"
-            )
         if self.steps < 2:
             raise dtl_config.ConfigError("steps must be >= 2: the first step is not timed")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         if self.part == "ratio":
             try:
                 lay = layouts.Layout.from_world(world, tp=self.tp, pp=self.pp)

@@ -22,7 +22,6 @@ one process and compares losses, gradient norms and parameters.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -44,10 +43,10 @@ from day22_megatron.stack import (
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus, split_micro_batches
+from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
-from dtl.model import PRESETS
+from dtl.model import PresetName
 from dtl.optim import OptimConfig
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
@@ -62,7 +61,7 @@ class Config:
     chunks: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (Megatron's vpp)
     sp: bool = False  # sequence parallelism over the TP group (needs tp > 1; not with pp > 1)
     attn: str = "ring_zigzag"  # attention over cp: ring | ring_zigzag | ulysses
-    model: str = "tiny"  # GPT preset
+    model: PresetName = "tiny"  # GPT preset
     num_layers: int = 0  # 0: the preset's number of layers
     # pad the vocabulary to a multiple of this x tp, as Megatron does (GPT-2's 50,257 -> 50,304)
     make_vocab_size_divisible_by: int = 128
@@ -91,7 +90,7 @@ class Config:
 
     @property
     def layout(self) -> layouts.Layout:
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         lay = layouts.Layout.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp)
         return layouts.Layout(tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp, vpp=self.chunks)
 
@@ -101,8 +100,6 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if self.chunks > 1 and self.pp < 2:
             raise err(f"--chunks={self.chunks} needs --pp >= 2 (interleaving splits a pipeline)")
         try:
@@ -149,7 +146,7 @@ def axis_groups(stack) -> dict[str, list]:
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = cfg.model_config()
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     stack = build_stack(
         mcfg, grid, micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
         seq_len=cfg.seq_len, schedule="interleaved" if cfg.chunks > 1 else "1f1b",

@@ -45,10 +45,10 @@ from day22_megatron.layouts import padded_preset
 from day22_megatron.megatron_gpt import gather_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus, split_micro_batches
+from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS
+from dtl.model import GPT, PresetName
 from dtl.optim import OptimConfig
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
@@ -65,7 +65,7 @@ class Config:
     micro_batch_size: int = 1  # sequences per micro-batch (per DP rank)
     global_batch_size: int = 8  # sequences per step over all DP ranks
     use_distributed_optimizer: bool = False  # shard Adam state (and fp32 grads) over DP: ZeRO-1
-    model: str = "tiny"  # GPT preset (dtl.model.PRESETS)
+    model: PresetName = "tiny"  # GPT preset (dtl.model.PRESETS)
     num_layers: int = 0  # 0: the preset's number of layers
     # pad the vocabulary to a multiple of this x TP (Megatron's default 128; GPT-2: 50,304)
     make_vocab_size_divisible_by: int = 128
@@ -104,7 +104,7 @@ class Config:
 
     @property
     def layout(self) -> layouts.Layout:
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         return layouts.Layout.from_world(
             world,
             tp=self.tensor_model_parallel_size,
@@ -117,8 +117,6 @@ class Config:
         err = dtl_config.ConfigError
         if importlib.util.find_spec("megatron") is None:
             raise err("megatron-core is not installed: pip install -e '.[megatron]'")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         cfg = self.model_config()
         try:
             lay = self.layout
@@ -169,7 +167,7 @@ def build(cfg: Config, grid: ParallelGrid, device) -> mcore.Parts:
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = cfg.model_config()
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     vpp = cfg.layout.vpp if cfg.layout.vpp > 1 else None
     dm.init_parallel_state(grid, virtual_pipeline_size=vpp)
     try:

@@ -27,13 +27,14 @@ import os
 import re
 import statistics
 from dataclasses import dataclass
+from typing import Literal
 
 from day23_zero3_offload import checks, measure, predict, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.deepspeed import use_run_accelerator
 from dtl.metrics import write_csv
-from dtl.model import PRESETS
+from dtl.model import PRESETS, PresetName
 
 MB = 1e6
 # part=keys: (template, key path, value); the template's own value is the baseline
@@ -54,8 +55,8 @@ KEY_SWEEP = [
 
 @dataclass
 class Config:
-    part: str = "templates"  # templates | keys | fit
-    model: str = "small"  # GPT preset
+    part: Literal["templates", "keys", "fit"] = "templates"  # templates | keys | fit
+    model: PresetName = "small"  # GPT preset
     seq_len: int = 64  # tokens per sequence
     steps: int = 6  # optimizer steps per run (the first is not timed)
     templates: str = ""  # part=templates: only these, comma-separated (empty: all + nvme_paged)
@@ -68,10 +69,6 @@ class Config:
     out_dir: str = "outputs/day23_zero3_offload/bench"  # <part>.csv
 
     def validate(self) -> None:
-        if self.part not in ("templates", "keys", "fit"):
-            raise dtl_config.ConfigError(f"unknown part '{self.part}'; templates, keys or fit")
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(PRESETS)}")
         if self.keys_model and not re.fullmatch(r"\d+x\d+", self.keys_model):
             raise dtl_config.ConfigError(
                 f"keys_model must be LAYERSxWIDTH, got {self.keys_model!r}"

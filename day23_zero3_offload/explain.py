@@ -33,7 +33,7 @@ from day23_zero3_offload.predict import (
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.deepspeed import DsConfigError
-from dtl.model import PRESETS, GPTConfig
+from dtl.model import PRESETS, GPTConfig, PresetName
 
 # --- the command line --------------------------------------------------------------------------
 
@@ -41,15 +41,13 @@ from dtl.model import PRESETS, GPTConfig
 @dataclass
 class Config:
     ds_config: str = ""  # a ds_config to check and explain (empty: the four templates)
-    model: str = "gpt2-124m"  # dtl preset whose bytes are predicted
+    model: PresetName = "gpt2-124m"  # dtl preset whose bytes are predicted
     world: int = 8  # ranks (GPUs) the config will run on
     fit_budget_gb: float = 80.0  # device memory per GPU for "the largest GPT that fits" (0: skip)
     cpu_budget_gb: float = 1000.0  # CPU memory of the node for the same question (DGX H100: 2 TB)
     out_dir: str = "outputs/day23_zero3_offload/explain"  # config.json
 
     def validate(self) -> None:
-        if self.model not in PRESETS:
-            raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(PRESETS)}")
         if self.world < 1:
             raise dtl_config.ConfigError(f"world must be >= 1, got {self.world}")
         paths = [self.ds_config] if self.ds_config else [template_path(t) for t in TEMPLATES]

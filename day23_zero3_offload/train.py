@@ -33,7 +33,7 @@ import torch
 from day23_zero3_offload import checks, measure, predict
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import (
     DsConfigError,
     import_deepspeed,
@@ -41,7 +41,7 @@ from dtl.deepspeed import (
     use_run_accelerator,
 )
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, preset
+from dtl.model import GPT, PresetName, preset
 from dtl.optim import optimizer_groups
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
@@ -51,7 +51,7 @@ MB = 1e6
 @dataclass
 class Config:
     ds_config: str = "cpu"  # template (zero3 | opt_only | cpu | nvme) or a ds_config JSON path
-    model: str = "small"  # GPT preset
+    model: PresetName = "small"  # GPT preset
     vocab_size: int = 0  # 0: the preset's (tests use a wider vocab so tensors reach 1 MiB)
     seq_len: int = 64  # tokens per sequence
     steps: int = 4  # optimizer steps
@@ -77,11 +77,9 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if self.seq_len > self.model_config().block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         self.skip_reason = ""
         try:
             # DeepSpeed's accelerator = the run's device, before checks.check imports DeepSpeed
@@ -170,7 +168,7 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
     `engine`: one build_engine made already (to hook into it before training)."""
     ds = ds or cfg.load_ds_config()
     mcfg = cfg.model_config()
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     if engine is None:
         measure.clear_swap_files(ds, info.rank)  # another run's files would be counted too
         engine = build_engine(cfg, ds, info.device)

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from day24_checkpoint.ckpt import AppState, Checkpointer, latest
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.model import GPT, PRESETS, loss_fn, preset
 
 MB = 1e6
@@ -48,7 +48,7 @@ class Config:
 
 def measure(cfg: Config, name: str, info) -> dict:
     mcfg = preset(name)
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     seq_len = min(cfg.seq_len, mcfg.block_size)
     gpt = GPT(mcfg, seed=0).to(info.device)
     model = DDP(gpt) if info.world_size > 1 else gpt

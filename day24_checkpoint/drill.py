@@ -35,10 +35,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dtl import config as dtl_config
+from dtl import dist as dtl_dist
 from dtl.registry import child_env
 from dtl.script_server import run_fresh
 
@@ -48,7 +50,8 @@ BACKENDS = ("gloo", "auto")
 
 @dataclass
 class Config:
-    drill: str = "all"  # kill_rank | kill_during_save | corrupt_shard | elastic | all
+    # kill_rank | kill_during_save | corrupt_shard | elastic | all
+    drill: Literal[(*DRILLS, "all")] = "all"
     repeats: int = 1  # kill_rank drills (each kills before another step)
     nproc: int = 2  # processes per job
     parallel: str = "ddp"  # ddp | fsdp2
@@ -57,14 +60,10 @@ class Config:
     seed: int = 0  # which steps the kills land on
     # gloo: every job on the CPU, on any machine (the default: see FORCED_BACKEND); auto: each
     # job chooses as train.py does (NCCL when every rank has a GPU): a GPU's save and resume
-    backend: str = "gloo"
+    backend: Literal[BACKENDS] = "gloo"
     out_dir: str = "outputs/day24_checkpoint/drills"  # one folder per run, wiped first
 
     def validate(self) -> None:
-        if self.drill not in (*DRILLS, "all"):
-            raise dtl_config.ConfigError(f"unknown drill '{self.drill}'; one of {DRILLS} or all")
-        if self.backend not in BACKENDS:
-            raise dtl_config.ConfigError(f"unknown backend '{self.backend}'; one of {BACKENDS}")
         if self.backend == "auto" and self.drill in ("elastic", "all"):
             raise dtl_config.ConfigError(
                 "the elastic drill needs backend=gloo: its one-process agents would all take "
@@ -321,7 +320,7 @@ def _restart_overhead(run: Run) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+    if dtl_dist.launch_world_size() != 1:
         dtl_config.exit_with_error("drill.py is one orchestrating process: --nproc_per_node=1")
     if cfg.backend == "auto":
         print("note: each drill job chooses its backend as train.py does (NCCL on GPUs)")

@@ -24,6 +24,7 @@ import hashlib
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.metrics import StepLogger
-from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.optim import warmup_cosine
 
 PARALLEL = ("ddp", "fsdp2")
@@ -44,8 +45,9 @@ RESUME = ("auto", "none", "latest")
 
 @dataclass
 class Config:
-    parallel: str = "ddp"  # ddp | fsdp2 (FSDP2's fully_shard: every rank saves its shards)
-    model: str = "tiny"  # GPT preset
+    # ddp | fsdp2 (FSDP2's fully_shard: every rank saves its shards)
+    parallel: Literal[PARALLEL] = "ddp"
+    model: PresetName = "tiny"  # GPT preset
     dropout: float = 0.1  # > 0, so that a resumed run needs each rank's RNG state back
     global_batch: int = 8  # sequences per step, cut over the ranks (the same rows at any world)
     seq_len: int = 32  # tokens per sequence
@@ -69,11 +71,7 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.parallel not in PARALLEL:
-            raise err(f"unknown parallel '{self.parallel}'; choose {' or '.join(PARALLEL)}")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        world = dtl_dist.launch_world_size()
         if self.global_batch % world:
             raise err(f"global_batch {self.global_batch} does not split over {world} ranks")
         if self.keep < 1:

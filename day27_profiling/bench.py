@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -31,9 +32,9 @@ from day27_profiling import ceiling, mfu, trace_analysis
 from day27_profiling.profile import trace_path
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import peak_flops
-from dtl.model import GPT, PRESETS, loss_fn, preset
+from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.registry import child_env
 
 TRACES_BACKEND = "gloo"  # part=traces: the backend of the profiled runs, on any machine
@@ -47,8 +48,8 @@ RUNS = {  # name -> (module, args): the runs part=traces profiles
 
 @dataclass
 class Config:
-    part: str = "mfu"  # mfu | traces
-    model: str = "small"  # part=mfu: the GPT whose step is measured
+    part: Literal["mfu", "traces"] = "mfu"  # mfu | traces
+    model: PresetName = "small"  # part=mfu: the GPT whose step is measured
     batch_size: int = 4  # part=mfu: sequences per step
     seq_len: int = 128  # part=mfu: tokens per sequence
     steps: int = 4  # part=mfu: timed steps (after one warm-up)
@@ -58,10 +59,6 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.part not in ("mfu", "traces"):
-            raise err(f"unknown part '{self.part}'; choose mfu or traces")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if self.seq_len > preset(self.model).block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
         for run in self.runs.split(","):
@@ -81,7 +78,7 @@ def _dtype(cfg: Config, device) -> torch.dtype:
 def measure_step(cfg: Config, device, dtype) -> float:
     """Tokens per second of the model's training step (forward, backward, AdamW)."""
     mcfg = preset(cfg.model)
-    corpus = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte")
+    corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     model = GPT(mcfg, seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -242,7 +239,7 @@ def part_traces(cfg: Config) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+    if dtl_dist.launch_world_size() != 1:
         dtl_config.exit_with_error("bench.py runs as one process (--nproc_per_node=1)")
     os.makedirs(cfg.out_dir, exist_ok=True)
     line = part_mfu(cfg) if cfg.part == "mfu" else part_traces(cfg)

@@ -30,7 +30,7 @@ import torch
 from day28_gpt125m.recipe import Recipe, autocast, make_adamw
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus
+from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     mcfg = MODELS[cfg.model]
-    tokens = load_corpus(tokenizer="auto" if mcfg.vocab_size > 50256 else "byte").train
+    tokens = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size)).train
     groups = [g for g in cfg.only.split(",") if g] or ["attention", "AdamW", "compile"]
     rows = []
     for name, variant in VARIANTS.items():

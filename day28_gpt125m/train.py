@@ -31,6 +31,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,17 +43,17 @@ from day28_gpt125m.recipe import Recipe, generate, lr_at
 from day28_gpt125m.strategies import BF16, COMPILE, MODEL_PARALLEL, STRATEGIES, build, mean_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_tokenizer, load_corpus, split_micro_batches
+from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
-from dtl.model import GPT, PRESETS, flops_per_token, loss_fn, preset
+from dtl.model import GPT, PRESETS, PresetName, flops_per_token, loss_fn, preset
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
 class Config:
-    strategy: str = "fsdp2"  # ddp | fsdp2 | zero3 | tp_pp | megatron
-    model: str = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
+    strategy: Literal[STRATEGIES] = "fsdp2"  # ddp | fsdp2 | zero3 | tp_pp | megatron
+    model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
     tp: int = 1  # tensor-parallel size (tp_pp, megatron)
     pp: int = 1  # pipeline-parallel size (tp_pp, megatron); dp = world / (tp x pp)
     micro_batch_size: int = 2  # sequences per micro-batch per DP rank
@@ -93,7 +94,7 @@ class Config:
 
     @property
     def world(self) -> int:
-        return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before any process group
+        return dtl_dist.launch_world_size()
 
     @property
     def dp(self) -> int:
@@ -111,10 +112,6 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if self.strategy not in STRATEGIES:
-            raise err(f"unknown strategy '{self.strategy}'; one of {', '.join(STRATEGIES)}")
-        if self.model not in PRESETS:
-            raise err(f"unknown model '{self.model}'; one of {', '.join(PRESETS)}")
         if (self.tp > 1 or self.pp > 1) and self.strategy not in MODEL_PARALLEL:
             raise err(f"--tp/--pp are for {' and '.join(MODEL_PARALLEL)}, not {self.strategy}")
         if self.world % (self.tp * self.pp):
@@ -146,14 +143,14 @@ class Config:
 
 
 def tokens_folder(cfg: Config) -> str:
-    tok = "gpt2" if cfg.model_config().vocab_size > 50256 else "byte"
+    tok = tokenizer_for(cfg.model_config().vocab_size, bpe="gpt2")
     return cfg.data_dir or f"outputs/day28_gpt125m/data-{cfg.data}-{tok}"
 
 
 def prepare_data(cfg: Config):
     """The train and validation shards, written once by rank 0 from dtl.data's corpus."""
     folder = tokens_folder(cfg)
-    tok = "gpt2" if cfg.model_config().vocab_size > 50256 else "byte"
+    tok = tokenizer_for(cfg.model_config().vocab_size, bpe="gpt2")
     if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "train", shards.INDEX)):
         corpus = load_corpus(cfg.data, tokenizer=tok)
         shards.write_shards(corpus.train, os.path.join(folder, "train"))

@@ -11,6 +11,7 @@ Everything here runs before the script touches a process group, so bad input nev
 collective:
 - `--help` / `-h` prints every field with its type, default and comment, and exits 0;
 - an unknown key or a value of the wrong type is a one-line error listing the valid keys;
+- a choice field (typed `Literal[...]`, see `choices`) takes one of its values, or says which;
 - values are checked by name, once for every script (`RULES`): learning rates finite and > 0,
   counts >= 1, fractions in [0, 1], percentages in [0, 100], every float finite, `out_dir`
   created and writable; then the dataclass's own `validate()` runs, if it has one.
@@ -48,11 +49,37 @@ class HelpRequested(Exception):
 
 
 def _field_types(cls) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)  # keep Annotated's label
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def choices(typ) -> tuple[str | None, tuple] | None:
+    """(label, values) of a choice field, else None. A choice field is typed Literal[...], or
+    Annotated[Literal[...], "label"] where the error should name it otherwise than by its key:
+
+        impl: Literal["hand", "torch", "deepspeed"] = "hand"
+        stage: Annotated[Literal[0, 1, 2, 3], "ZeRO stage"] = 2
+        model: PresetName = "tiny"          # dtl.model's Literal of every preset
+    """
+    label = None
+    if typing.get_origin(typ) is typing.Annotated:
+        typ, *meta = typing.get_args(typ)
+        label = next((m for m in meta if isinstance(m, str)), None)
+    if typing.get_origin(typ) is typing.Literal:
+        return label, typing.get_args(typ)
+    return None
+
+
+def _plain(typ):
+    """The type under Annotated[...] (its label is for choices)."""
+    return typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Annotated else typ
+
+
 def _type_name(t) -> str:
+    choice = choices(t)
+    if choice:
+        return "{" + ",".join(map(str, choice[1])) + "}"
+    t = _plain(t)
     if typing.get_origin(t) in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(t))
     return "None" if t is type(None) else getattr(t, "__name__", str(t))
@@ -64,6 +91,15 @@ def _valid_keys(cls) -> str:
 
 def _coerce(key: str, value, typ):
     """Convert a TOML value or a command-line string to the field's type, or explain why not."""
+    choice = choices(typ)
+    if choice:
+        label, values = choice
+        got = _coerce(key, value, type(values[0]))
+        if got not in values:
+            name = label or key.replace("_", " ")
+            raise ConfigError(f"unknown {name} {got!r}; one of {', '.join(map(str, values))}")
+        return got
+    typ = _plain(typ)
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -178,7 +214,7 @@ def help_text(cls, prog: str | None = None, description: str | None = None) -> s
     docs = field_comments(cls)
     defaults = dataclasses.asdict(cls())
     rows = [
-        (f"--{k}={_type_name(t).upper() if t is not bool else '{true,false}'}",
+        (f"--{k}={_flag_value(t)}",
          f"{docs.get(k, '')} (default: {defaults[k]!r})".strip())
         for k, t in types_.items()
     ]  # fmt: skip
@@ -191,6 +227,12 @@ def help_text(cls, prog: str | None = None, description: str | None = None) -> s
         f"  {'--config FILE.toml':<{width}}  read defaults from a TOML file\n"
         f"  {'-h, --help':<{width}}  show this message and exit\n{body}"
     )
+
+
+def _flag_value(t) -> str:
+    if _plain(t) is bool:
+        return "{true,false}"
+    return _type_name(t) if choices(t) else _type_name(t).upper()
 
 
 def _program_name() -> str:

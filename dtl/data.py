@@ -177,6 +177,12 @@ class Corpus:
     tokenizer_name: str
 
 
+def tokenizer_for(vocab_size: int, bpe: str = "auto") -> str:
+    """The tokenizer a model's vocabulary can take: GPT-2's BPE (`bpe`; ids up to 50,256) when
+    the vocabulary has room for every id, else bytes (256 ids: the tiny presets)."""
+    return bpe if vocab_size > GPT2_EOT else "byte"
+
+
 def load_corpus(
     source: str = "shakespeare",
     tokenizer: str = "auto",

@@ -40,6 +40,12 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def launch_world_size() -> int:
+    """The world size the launcher gave this process (torchrun's WORLD_SIZE; 1 under plain
+    python), readable before any process group exists: what configs validate against."""
+    return _env_int("WORLD_SIZE", 1)
+
+
 BACKENDS = ("gloo", "nccl")
 
 

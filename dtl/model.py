@@ -38,6 +38,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -102,6 +103,10 @@ PRESETS: dict[str, GPTConfig] = {
         n_layer=12, n_head=12, n_embd=768, block_size=2048, vocab_size=GPT2_VOCAB_SIZE
     ),
 }
+
+
+# a config field that names a preset: dtl.config checks it is one ("unknown model 'x'; one of ...")
+PresetName = Literal[tuple(PRESETS)]
 
 
 def preset(name: str, **overrides) -> GPTConfig:

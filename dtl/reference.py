@@ -90,15 +90,15 @@ def one_process_gpt(
     (dtl.optim.optimizer_groups, Megatron's rule); `betas` Adam's. `clip_grad`, `grad_norms` and
     `lr_at` as in reference_train. Returns (losses, the trained model)."""
     from dtl.data import get_batch
-    from dtl.model import GPT, optimizer_groups
+    from dtl.model import GPT
+    from dtl.optim import OptimConfig
 
     gpt = GPT(model_cfg, seed=seed)
     if make_optimizer:
         opt = make_optimizer(gpt.parameters())
-    elif weight_decay is None:
-        opt = torch.optim.AdamW(gpt.parameters(), lr=lr, eps=eps, betas=betas)
-    else:
-        opt = torch.optim.AdamW(optimizer_groups(gpt, weight_decay), lr=lr, eps=eps, betas=betas)
+    else:  # torch's AdamW default (0.01 on everything), or the given decay on the matrices
+        wd, decay = (0.01, "all") if weight_decay is None else (weight_decay, "matrices")
+        opt = OptimConfig(lr=lr, eps=eps, weight_decay=wd, betas=betas, decay=decay).make(gpt)
 
     def batch(step):
         return get_batch(tokens, seq_len, rows, seed=seed, step=step)

@@ -26,7 +26,7 @@ from dtl.testing import run_distributed, script_error
 CFG = GPTConfig(n_layer=8, n_head=2, n_embd=16, block_size=16, vocab_size=64, bias=False)
 B, T, M, K = 2, 8, 4, 2
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
-RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+RUNS = schedules.every_schedule()  # (name, v): interleaved with 2 chunks
 
 
 # --- the action lists, without any model --------------------------------------------------------
@@ -407,3 +407,16 @@ def test_ignoring_tags_catches_receives_posted_out_of_send_order_in_the_runtime(
             n for n in valid if not torch.equal(rank["crossed, in posting order"][n], valid[n])
         ]
         assert wrong, "ignoring tags changed nothing: the check could not catch this bug"
+
+
+def test_every_stage_has_one_home_and_every_schedule_carries_its_placement():
+    import pickle
+
+    for name, v in RUNS:
+        sched = schedules.make(name, 4, 8, v)
+        place = sched.placement
+        assert (place.p, place.v) == (4, v), name
+        homes = {place.stage(r, c): (r, c) for r in range(4) for c in range(v)}
+        assert sorted(homes) == list(range(place.n_stages)), name  # each stage exactly once
+        assert all((place.rank(s), place.chunk(s)) == rc for s, rc in homes.items()), name
+        assert pickle.loads(pickle.dumps(sched)).placement == place  # travels to the ranks

@@ -2,11 +2,14 @@
 script gets, and one-line errors for bad input."""
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import pytest
 
 from dtl import config
+from dtl.model import PresetName
 
 
 @dataclass
@@ -143,3 +146,33 @@ def test_every_float_must_be_finite_even_without_a_rule():
     assert config.load(NoFloats, ["--ratio=-3"]).ratio == -3.0
     with pytest.raises(config.ConfigError, match="'ratio' must be a finite number, got nan"):
         config.load(NoFloats, ["--ratio=nan"])
+
+
+MODES = ("hand", "torch")
+
+
+@dataclass
+class Choices:
+    impl: Literal[MODES] = "hand"  # who trains
+    stage: Annotated[Literal[0, 1, 2, 3], "ZeRO stage"] = 2  # how much is sharded
+    model: PresetName = "tiny"  # GPT preset
+
+
+def test_choice_fields_take_one_of_their_values_and_name_them_when_not():
+    cfg = config.load(Choices, ["--impl=torch", "--stage", "3", "--model=small"])
+    assert (cfg.impl, cfg.stage, cfg.model) == ("torch", 3, "small")  # "3" read as the int 3
+    cases = [
+        (["--impl=fsdp"], "unknown impl 'fsdp'; one of hand, torch"),
+        (["--stage=4"], "unknown ZeRO stage 4; one of 0, 1, 2, 3"),  # the Annotated label
+        (["--stage=two"], "config key 'stage' expects int, got 'two'"),
+        (["--model=huge"], "unknown model 'huge'; one of tiny, "),
+    ]
+    for argv, message in cases:
+        with pytest.raises(config.ConfigError, match=re.escape(message)):
+            config.load(Choices, argv)
+
+
+def test_help_lists_a_choice_fields_values():
+    text = config.help_text(Choices, prog="x", description="")
+    assert "--impl={hand,torch}" in text and "--stage={0,1,2,3}" in text
+    assert "how much is sharded (default: 2)" in text
