@@ -124,7 +124,7 @@ def test_reference_verdict_says_yes_within_rtol_no_outside_and_the_same_on_every
     assert same.line.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
     assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same.line
     assert off.line.startswith("losses match one process NO (max rel diff 5.0e-05")
-    assert f"{same}" == same.line and same.params_gap == pytest.approx(1e-3)
+    assert f"{same}" == same.line and same.params_gap == pytest.approx(1e-3, rel=1e-4)  # fp32
 
 
 def _norm_verdicts():
