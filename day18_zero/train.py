@@ -54,7 +54,7 @@ class Config:
     impl: Literal[engines.IMPLS] = "hand"  # hand | torch | deepspeed
     model: PresetName = "small"  # GPT preset (`small`: 7.3M parameters, 6.4M of them in wte)
     # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU)
-    dtype: Literal[DTYPES] = "fp32"
+    dtype: Literal[tuple(DTYPES)] = "fp32"
     batch_size: int = 4  # sequences per rank per micro-step (DeepSpeed's micro batch)
     seq_len: int = 64  # tokens per sequence
     grad_accum: int = 1  # micro-steps per optimizer step

@@ -5,9 +5,11 @@
 
 Model state per rank, Ψ parameters, N = world ranks, fp32 (bf16 autocast keeps fp32 weights),
 from the days that measured each: resident (the partitions a rank keeps) + gathered (what it holds
-full while a step runs):
+full while a step runs), each strategy's own predicted_state (strategies.py):
     ddp        16Ψ: 4 param + 4 grad + 8 Adam (day 18's table)               + 0
     fsdp2      16Ψ/N                                                          + the largest block
+    zero2      4Ψ + 16Ψ/N: parameters whole, the rest sharded, fp32 master    + 0
+               (day 18); 2Ψ + 14Ψ/N in bf16
     zero3      20Ψ/N: DeepSpeed keeps an fp32 master beside fp32 parameters   + every parameter
                (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
@@ -27,13 +29,10 @@ import os
 
 import torch
 
-from day19_tp.formulas import block_params
 from day22_megatron import formulas
-from day22_megatron.layouts import Layout
-from day28_gpt125m.strategies import BF16
+from day28_gpt125m.strategies import REGISTRY
 from dtl import dist as dtl_dist
 from dtl.deepspeed import DsConfigError, planned_device_type
-from dtl.model import num_params
 
 GB = 1e9
 
@@ -63,18 +62,9 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
     """Per-rank bytes of `strategy`: resident state, gathered parameters, activations, and the
     states and total they add up to. `cfg`: a GPTConfig, or anything with model_config()."""
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
-    psi, gathered = num_params(m), 0.0
-    if strategy == "ddp":
-        resident = 16 * psi
-    elif strategy == "fsdp2":
-        resident, gathered = 16 * psi / world, 4 * block_params(m, 1)
-    elif strategy == "zero3":
-        resident, gathered = (16 if bf16 else 20) * psi / world, (2 if bf16 else 4) * psi
-    else:
-        lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
-        distopt = strategy == "megatron"  # day 28 runs megatron-core with its DistributedOptimizer
-        resident = max(sum(formulas.state_bytes(m, lay, r, distopt).values()) for r in range(pp))
-    t = tp if strategy in ("tp_pp", "megatron") else 1
+    kind = REGISTRY[strategy]  # each strategy predicts its own state (strategies.py)
+    resident, gathered = kind.predicted_state(m, world=world, tp=tp, pp=pp, bf16=bf16)
+    t = tp if kind.model_parallel else 1
     acts = formulas.activation_bytes(m, seq_len, micro, t, bf16)  # day 22's count
     states = resident + gathered
     return dict(resident=resident, gathered=gathered, states=states, activations=acts,
@@ -85,12 +75,14 @@ def check(cfg) -> None:
     """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
     have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len, bf16=cfg.bf16)
-    own = dict(kw, bf16=cfg.bf16 and cfg.strategy in BF16)  # tp_pp and megatron run fp32
+    own = dict(kw, bf16=cfg.bf16 and REGISTRY[cfg.strategy].bf16)  # others run fp32
     need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)
     if need["total"] <= have:
         return
     others = {
-        s: predicted_bytes(cfg, s, **kw)["total"] for s in ("fsdp2", "zero3") if s != cfg.strategy
+        s: predicted_bytes(cfg, s, **kw)["total"]
+        for s, kind in REGISTRY.items()
+        if kind.suggested_when_short and s != cfg.strategy
     }
     fits = [f"{s} ({b / GB:.1f} GB)" for s, b in others.items() if b <= have]
     hint = f"strategies that fit: {', '.join(fits)}" if fits else "lower --micro_batch_size"

@@ -1,6 +1,6 @@
 """Day 28: one interface over every strategy of the course, so one loop trains them all.
 
-    s = build("fsdp2", cfg, recipe, grid, device)       # ddp | fsdp2 | zero3 | tp_pp | megatron
+    s = build("fsdp2", cfg, recipe, grid, device)       # any name in REGISTRY
     loss, norm = s.step(micro_batches, lr)              # one optimizer step (accumulation inside)
     full = s.full_parameters()                          # the dense model's tensors (collective)
     s.close()
@@ -8,12 +8,17 @@
     strategy  built from                  the DP sync                 the optimizer
     ddp       torch DDP (day 17)           all-reduce in buckets       AdamW, full state per rank
     fsdp2     torch fully_shard (day 18)   reduce-scatter / all-gather AdamW on each rank's shard
+    zero2     DeepSpeed ZeRO-2 (day 18)    reduce-scatter / all-gather DeepSpeed's AdamW on shards
     zero3     DeepSpeed ZeRO-3 (day 23)    reduce-scatter / all-gather DeepSpeed's AdamW on shards
     tp_pp     our stack (day 22): apply_tp -> apply_pp, DP by average_gradients; torch AdamW
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
 
+Each strategy is a class in REGISTRY that says what it supports (model parallelism, --bf16,
+--compile, checkpoints) and predicts its own per-rank model state (fit.py asks it): adding one is
+a class here with @register, and the config, the fit check and the tests take it from there.
+
 Checkpoints: DDP and FSDP2 through day 24's Checkpointer (DCP: sharded, atomic, reshardable),
-ZeRO-3 through DeepSpeed's save_checkpoint, our TP+PP as one file per rank (the same layout must
+DeepSpeed's ZeRO through its save_checkpoint, our TP+PP as one file per rank (the same layout must
 load it); megatron-core's is its dist_checkpointing, not wired here (train.py refuses --resume).
 
 Every strategy takes the same recipe (AdamW betas 0.9/0.95, decay on matrices only, global-norm
@@ -30,49 +35,26 @@ import torch
 import torch.distributed as dist
 
 from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from day28_gpt125m.strategy import REGISTRY, Strategy, register
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.model import GPT, GPTConfig, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
+from dtl.state import KINDS as STATE_KINDS
 from dtl.state import StateBytes, live_state_bytes
-
-STRATEGIES = ("ddp", "fsdp2", "zero3", "tp_pp", "megatron")
-MODEL_PARALLEL = ("tp_pp", "megatron")  # strategies that take tp and pp
-BF16 = ("ddp", "fsdp2", "zero3")  # strategies that apply --bf16 (autocast, DeepSpeed's bf16)
-COMPILE = ("ddp", "fsdp2")  # strategies whose model --compile wraps in torch.compile
-
-
-class Strategy:
-    name = ""
-    last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
-    measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
-
-    def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
-        """One optimizer step over this DP rank's micro-batches; returns (the mean loss where
-        this rank knows it, the global gradient norm before clipping)."""
-        raise NotImplementedError
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """name -> the full tensor, keyed as the one-process GPT's named_parameters."""
-        raise NotImplementedError
-
-    def save(self, folder: str, step: int) -> None:
-        """A checkpoint of everything the next steps need, as of `step` steps done."""
-        raise NotImplementedError(f"{self.name}: no checkpoint support")
-
-    def load(self, folder: str) -> int:
-        """Load the latest checkpoint in `folder`; returns its step (steps done)."""
-        raise NotImplementedError(f"{self.name}: no checkpoint support")
-
-    def close(self) -> None:
-        pass
 
 
 class TorchData(Strategy):
     """DDP or FSDP2 on the whole GPT: torch's own data parallelism."""
 
-    def __init__(self, name: str, gpt: GPT, r: Recipe, device):
-        self.name, self.r, self.device = name, r, device
-        if name == "ddp":
+    bf16 = compile = True
+
+    @classmethod
+    def create(cls, cfg, r, grid, device, *, seed, **_):
+        return cls(GPT(cfg, seed=seed).to(device), r, device)
+
+    def __init__(self, gpt: GPT, r: Recipe, device):
+        self.r, self.device = r, device
+        if self.name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.gpt = gpt
@@ -144,11 +126,57 @@ class TorchData(Strategy):
         return out
 
 
-class DeepSpeedZero3(Strategy):
-    name = "zero3"
+@register
+class DDP(TorchData):
+    name = "ddp"
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+        return 16 * num_params(m), 0.0  # 4 param + 4 grad + 8 Adam, on every rank (day 18)
+
+
+@register
+class FSDP2(TorchData):
+    name = "fsdp2"
+    suggested_when_short = True
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+        from day19_tp.formulas import block_params
+
+        return 16 * num_params(m) / world, 4 * block_params(m, 1)  # + the largest block, full
+
+
+class DeepSpeedZero(Strategy):
+    """DeepSpeed's engine at ZeRO stage `stage`, on a ds_config built from the recipe and checked
+    by the kit (dtl.deepspeed.check_sections) before any collective."""
+
+    stage = 0
+    bf16 = suggested_when_short = True
+
+    @classmethod
+    def create(cls, cfg, r, grid, device, *, micro_batch, accum, seed, **_):
+        return cls(GPT(cfg, seed=seed), r, micro_batch, accum, device)
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+        # day 18's table: DeepSpeed keeps an fp32 master beside fp32 parameters too
+        from day18_zero import formulas
+
+        precision = formulas.PRECISIONS["mixed" if bf16 else "fp32+master"]
+        psi = num_params(m)
+        resident = formulas.model_state_bytes(psi, world, cls.stage, precision).total
+        return resident, cls.gathered(psi, bf16)
+
+    @classmethod
+    def gathered(cls, psi: int, bf16: bool) -> float:
+        return 0.0  # stages 1 and 2 keep every parameter whole: nothing more to gather
+
+    def zero_section(self) -> dict:
+        return {"stage": self.stage}
 
     def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int, device):
-        from dtl.deepspeed import import_deepspeed
+        from dtl.deepspeed import check_sections, import_deepspeed
 
         deepspeed = import_deepspeed(device.type)  # its accelerator = the run's device
         self.r = r
@@ -159,9 +187,10 @@ class DeepSpeedZero3(Strategy):
             "optimizer": {"type": "AdamW", "params": adamw},
             "gradient_clipping": r.clip,
             "bf16": {"enabled": r.bf16},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": self.zero_section(),
             "steps_per_print": 10**9,
         }  # fmt: skip
+        check_sections(ds)  # the kit's checks, as every ds_config of the course
         self.engine, *_ = deepspeed.initialize(
             model=gpt,
             model_parameters=optimizer_groups(gpt, r.weight_decay),
@@ -171,20 +200,20 @@ class DeepSpeedZero3(Strategy):
 
     def step(self, micro_batches, lr):
         set_lr(self.engine.optimizer, lr)
-        total = 0.0
-        for x, y in micro_batches:
+        total, last = 0.0, len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
             loss = loss_fn(self.engine(x), y)
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            if i == last and self.measure_state:  # before the update: grads and state both live
+                self.last_state = self.state_bytes()
             self.engine.step()  # a no-op until the accumulation boundary
             total += loss.item()
-        if self.measure_state:
-            from day23_zero3_offload.measure import locations
-
-            where = locations(self.engine, dist.get_rank())
-            self.last_state = StateBytes(
-                *(sum(where[loc][k] for loc in where) for k in ("params", "grads", "optim"))
-            )
         return total / len(micro_batches), float(self.engine.get_global_grad_norm())
+
+    def state_bytes(self) -> StateBytes:
+        from day18_zero.ds_engine import ds_state_bytes  # read from the engine's partitions
+
+        return ds_state_bytes(self.engine, self.stage)
 
     def save(self, folder, step):
         self.engine.save_checkpoint(folder, tag=f"step_{step}", client_state={"step": step})
@@ -197,14 +226,59 @@ class DeepSpeedZero3(Strategy):
         import deepspeed
 
         params = list(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.stage == 3):
             return {n: p.detach().float().cpu().clone() for n, p in params}
 
 
+@register
+class ZeRO2(DeepSpeedZero):
+    name = "zero2"
+    stage = 2
+
+
+@register
+class ZeRO3(DeepSpeedZero):
+    name = "zero3"
+    stage = 3
+
+    @classmethod
+    def gathered(cls, psi, bf16):
+        return (2 if bf16 else 4) * psi  # every parameter, full, while a step runs (day 23)
+
+    def zero_section(self) -> dict:
+        return {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+    def state_bytes(self) -> StateBytes:
+        from day23_zero3_offload.measure import locations  # by location: device, CPU, NVMe
+
+        where = locations(self.engine, dist.get_rank())
+        return StateBytes(*(sum(where[loc][k] for loc in where) for k in STATE_KINDS))
+
+
+def _fullest_stage(m: GPTConfig, world: int, tp: int, pp: int, distopt: bool) -> float:
+    """Day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its layers,
+    the embedding on the first stage, the head on the last)."""
+    from day22_megatron import formulas
+    from day22_megatron.layouts import Layout
+
+    lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
+    return max(sum(formulas.state_bytes(m, lay, r, distopt).values()) for r in range(pp))
+
+
+@register
 class OurTPPP(Strategy):
     """Day 22's stack: TP over grid.tp_group, the pipeline over grid.pp_group, DP beside."""
 
     name = "tp_pp"
+    model_parallel = True
+
+    @classmethod
+    def create(cls, cfg, r, grid, device, *, micro_batch, accum, seq_len, seed, **_):
+        return cls(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+        return _fullest_stage(m, world, tp, pp, distopt=False), 0.0
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
                  accum: int, seq_len: int, device, seed: int):  # fmt: skip
@@ -263,10 +337,23 @@ class OurTPPP(Strategy):
         return _untied(self.stack_mod.full_state(self.stack), self.stack.gpt.cfg)
 
 
+@register
 class Megatron(Strategy):
     """megatron-core itself (day 22's mcore library), the recipe's lr set per step."""
 
     name = "megatron"
+    model_parallel = True
+    measures_state = False
+    no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
+
+    @classmethod
+    def create(cls, cfg, r, grid, device, *, micro_batch, seq_len, seed, steps, **_):
+        return cls(cfg, r, grid, micro_batch, seq_len, device, seed, steps)
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+        # its DistributedOptimizer shards Adam's m and v (and the fp32 grads) over dp
+        return _fullest_stage(m, world, tp, pp, distopt=True), 0.0
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
                  seq_len: int, device, seed: int, steps: int):  # fmt: skip
@@ -310,18 +397,21 @@ def _untied(state: dict, cfg: GPTConfig) -> dict:
     return state
 
 
+STRATEGIES = tuple(REGISTRY)  # what --strategy takes
+MODEL_PARALLEL = tuple(n for n, c in REGISTRY.items() if c.model_parallel)  # take --tp, --pp
+BF16 = tuple(n for n, c in REGISTRY.items() if c.bf16)  # apply --bf16
+COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.compile
+
+
 def build(name: str, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
           accum: int, seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
     """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
-    if name in ("ddp", "fsdp2"):
-        return TorchData(name, GPT(cfg, seed=seed).to(device), r, device)
-    if name == "zero3":
-        return DeepSpeedZero3(GPT(cfg, seed=seed), r, micro_batch, accum, device)
-    if name == "tp_pp":
-        return OurTPPP(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
-    if name == "megatron":
-        return Megatron(cfg, r, grid, micro_batch, seq_len, device, seed, steps)
-    raise ValueError(f"unknown strategy {name!r}; one of {', '.join(STRATEGIES)}")
+    if name not in REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; one of {', '.join(REGISTRY)}")
+    return REGISTRY[name].create(
+        cfg, r, grid, device, micro_batch=micro_batch, accum=accum, seq_len=seq_len, seed=seed,
+        steps=steps,
+    )  # fmt: skip
 
 
 def mean_loss(loss: float | None, grid: ParallelGrid) -> float:

@@ -40,7 +40,15 @@ from day22_megatron.layouts import padded_preset
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit
 from day28_gpt125m.recipe import Recipe, generate, lr_at
-from day28_gpt125m.strategies import BF16, COMPILE, MODEL_PARALLEL, STRATEGIES, build, mean_loss
+from day28_gpt125m.strategies import (
+    BF16,
+    COMPILE,
+    MODEL_PARALLEL,
+    REGISTRY,
+    STRATEGIES,
+    build,
+    mean_loss,
+)
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
@@ -52,7 +60,7 @@ from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 @dataclass
 class Config:
-    strategy: Literal[STRATEGIES] = "fsdp2"  # ddp | fsdp2 | zero3 | tp_pp | megatron
+    strategy: Literal[STRATEGIES] = "fsdp2"  # ddp | fsdp2 | zero2 | zero3 | tp_pp | megatron
     model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
     tp: int = 1  # tensor-parallel size (tp_pp, megatron)
     pp: int = 1  # pipeline-parallel size (tp_pp, megatron); dp = world / (tp x pp)
@@ -134,8 +142,9 @@ class Config:
             raise err(str(e)) from None
         self.out_dir = self.out_dir or f"outputs/day28_gpt125m/{self.strategy}-{self.model}"
         self.ckpt_dir = self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
-        if (self.resume or self.save_every) and self.strategy == "megatron":
-            raise err("megatron-core checkpoints (dist_checkpointing) are not wired into day 28")
+        refusal = REGISTRY[self.strategy].no_checkpoints
+        if (self.resume or self.save_every) and refusal:
+            raise err(refusal)
         if self.stop_at and not 0 < self.stop_at < self.steps:
             raise err(f"stop_at {self.stop_at} must be between 0 and steps {self.steps}")
         if self.resume and not os.path.isfile(os.path.join(self.ckpt_dir, "latest")):

@@ -66,7 +66,10 @@ def choices(typ) -> tuple[str | None, tuple] | None:
         typ, *meta = typing.get_args(typ)
         label = next((m for m in meta if isinstance(m, str)), None)
     if typing.get_origin(typ) is typing.Literal:
-        return label, typing.get_args(typ)
+        values = typing.get_args(typ)
+        if not all(isinstance(v, str | int) for v in values):  # Literal[some_dict]: a slip
+            raise TypeError(f"a choice field takes str or int values, got {values!r}")
+        return label, values
     return None
 
 

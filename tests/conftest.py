@@ -21,6 +21,4 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than let DeepSpeed warn
-# this process computes (references, formulas, traces) only while no rank runs: run_distributed
-# and the launch lines wait for theirs, and every rank they start keeps to one thread
-torch.set_num_threads(os.cpu_count() or 1)
+torch.set_num_threads(1)  # two cores, two ranks: one thread each, this process included

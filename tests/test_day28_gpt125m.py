@@ -1,11 +1,12 @@
 """Day 28: every strategy trains the ~125M recipe like one process (on `tiny`), resumes exactly,
 its model state is what fit.py predicts; the data pipeline feeds the rows dtl.data does.
 
-One 2-rank spawn runs ddp, fsdp2 and zero3, each cut in two (stop after step 4 with a checkpoint,
-resume in a fresh strategy, finish); one 4-rank spawn runs tp_pp (tp 2 x pp 2, also cut and
-resumed) and megatron (tp 2 x pp 2, whole). A resumed run equal to one process over all 8 steps
-is an exact resume: any state lost at the cut shows in steps 5-8. Reference: the dtl GPT in one
-process, the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up +
+The strategies come from strategies.REGISTRY. One 2-rank spawn runs the data-parallel ones (ddp,
+fsdp2, zero2, zero3), each cut in two (stop after step 4 with a checkpoint, resume in a fresh
+strategy, finish); one 4-rank spawn runs the model-parallel ones, tp 2 x pp 2: tp_pp (also cut
+and resumed) and megatron (whole: no checkpoints). A resumed run equal to one process over all 8
+steps is an exact resume: any state lost at the cut shows in steps 5-8. Reference: the dtl GPT in
+one process, the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up +
 cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5 (measured ~1e-7),
 parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
@@ -21,6 +22,7 @@ import torch
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit, train
 from day28_gpt125m.recipe import Recipe, lr_at
+from day28_gpt125m.strategies import REGISTRY
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import DataError, get_batch
@@ -33,10 +35,15 @@ pytestmark = pytest.mark.skipif(
     reason="needs the deepspeed and megatron extras",
 )
 STEPS, CUT = 8, 4
+# every registered strategy is tested: the data-parallel ones on 2 ranks, the others on 4 (tp=pp=2)
+DATA_PARALLEL = [n for n, kind in REGISTRY.items() if not kind.model_parallel]
+MODEL_PARALLEL = [n for n, kind in REGISTRY.items() if kind.model_parallel]
+RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints]
+MEASURED = [(n, 4 if k.model_parallel else 2) for n, k in REGISTRY.items() if k.measures_state]
 
 
 def _config(strategy, tmp, **kw) -> train.Config:
-    tp = pp = 2 if strategy in ("tp_pp", "megatron") else 1
+    tp = pp = 2 if REGISTRY[strategy].model_parallel else 1
     cfg = train.Config(
         strategy=strategy, tp=tp, pp=pp, steps=STEPS, check=False, sample_tokens=0, workers=1,
         data_dir=os.path.join(tmp, "data"), out_dir=os.path.join(tmp, strategy), **kw,
@@ -70,14 +77,13 @@ def _runs(tmp, strategies, resumed):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("d28w2"))
-    names = ["ddp", "fsdp2", "zero3"]
-    return run_distributed(_runs, tmp, names, names, world_size=2, timeout_s=300)[0]
+    return run_distributed(_runs, tmp, DATA_PARALLEL, RESUMABLE, world_size=2, timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("d28w4"))
-    return run_distributed(_runs, tmp, ["tp_pp", "megatron"], ["tp_pp"], world_size=4,
+    return run_distributed(_runs, tmp, MODEL_PARALLEL, RESUMABLE, world_size=4,
                            timeout_s=300)[0]  # fmt: skip
 
 
@@ -100,23 +106,23 @@ def _check(run, reference, name):
     assert gap <= 1e-5, f"{name}: parameters {gap:.1e} from one process"
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3"])
+@pytest.mark.parametrize("name", DATA_PARALLEL)
 def test_data_parallel_strategies_cut_and_resumed_train_like_one_process(
     two_ranks, reference, name
 ):
     _check(two_ranks[name], reference, name)
 
 
-@pytest.mark.parametrize("name", ["tp_pp", "megatron"])
+@pytest.mark.parametrize("name", MODEL_PARALLEL)
 def test_model_parallel_strategies_train_like_one_process(four_ranks, reference, name):
     _check(four_ranks[name], reference, name)
 
 
-@pytest.mark.parametrize("name, world", [("ddp", 2), ("fsdp2", 2), ("zero3", 2), ("tp_pp", 4)])
+@pytest.mark.parametrize("name, world", MEASURED)
 def test_measured_state_per_rank_is_the_fit_prediction(two_ranks, four_ranks, name, world):
     run = {**two_ranks, **four_ranks}[name]
     got = sum(run["state"].values())
-    tp = pp = 2 if name == "tp_pp" else 1
+    tp = pp = 2 if REGISTRY[name].model_parallel else 1
     want = fit.predicted_bytes(preset("tiny"), name, world=world, tp=tp, pp=pp)["resident"]
     assert abs(got - want) <= 0.01 * want, f"{name}: measured {got:,} vs predicted {want:,.0f}"
 

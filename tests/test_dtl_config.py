@@ -176,3 +176,12 @@ def test_help_lists_a_choice_fields_values():
     text = config.help_text(Choices, prog="x", description="")
     assert "--impl={hand,torch}" in text and "--stage={0,1,2,3}" in text
     assert "how much is sharded (default: 2)" in text
+
+
+def test_a_choice_field_over_a_dict_is_refused_not_read_as_one_value():
+    @dataclass
+    class Slip:
+        dtype: Literal[{"fp32": 4}] = "fp32"  # meant Literal[tuple(...)]
+
+    with pytest.raises(TypeError, match="a choice field takes str or int values"):
+        config.load(Slip, [])

@@ -1,0 +1,69 @@
+"""Day 28: the interface every strategy fills in, and the registry that lists them.
+
+A strategy is a class with a name, what it supports (model parallelism, --bf16, --compile,
+checkpoints), its predicted per-rank model state (fit.py asks it), how it is built from the
+recipe and the grid, and one optimizer step. strategies.py holds the course's strategies; a new
+one is a class there with @register, and train.py's --strategy, fit.py and the tests take it
+from REGISTRY.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from day28_gpt125m.recipe import Recipe
+from dtl.grid import ParallelGrid
+from dtl.model import GPTConfig
+from dtl.state import StateBytes
+
+REGISTRY: dict[str, type[Strategy]] = {}  # name -> class, in the order the notes list them
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+class Strategy:
+    name = ""
+    model_parallel = False  # takes --tp and --pp (tp x pp x dp ranks); else pure data parallel
+    bf16 = False  # applies --bf16 (autocast, or DeepSpeed's bf16); else runs fp32 regardless
+    compile = False  # --compile wraps its model in torch.compile
+    measures_state = True  # counts this rank's model-state bytes at the last step
+    suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
+    no_checkpoints = ""  # why --resume / --save_every are refused ("" : they work)
+    last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
+    measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
+
+    @classmethod
+    def create(cls, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
+               accum: int, seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
+        """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
+        raise NotImplementedError
+
+    @classmethod
+    def predicted_state(cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1,
+                        bf16: bool = False) -> tuple[float, float]:  # fmt: skip
+        """(resident, gathered) model-state bytes per rank: the partitions a rank keeps, and
+        what it holds full while a step runs (fit.py's table)."""
+        raise NotImplementedError
+
+    def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
+        """One optimizer step over this DP rank's micro-batches; returns (the mean loss where
+        this rank knows it, the global gradient norm before clipping)."""
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """name -> the full tensor, keyed as the one-process GPT's named_parameters."""
+        raise NotImplementedError
+
+    def save(self, folder: str, step: int) -> None:
+        """A checkpoint of everything the next steps need, as of `step` steps done."""
+        raise NotImplementedError(f"{self.name}: no checkpoint support")
+
+    def load(self, folder: str) -> int:
+        """Load the latest checkpoint in `folder`; returns its step (steps done)."""
+        raise NotImplementedError(f"{self.name}: no checkpoint support")
+
+    def close(self) -> None:
+        pass
