@@ -49,7 +49,7 @@ class TorchData(Strategy):
     bf16 = compile = True
 
     @classmethod
-    def create(cls, cfg, r, grid, device, *, seed, **_):
+    def create(cls, cfg, r, grid: ParallelGrid, device, *, seed, **_):
         return cls(GPT(cfg, seed=seed).to(device), r, device)
 
     def __init__(self, gpt: GPT, r: Recipe, device):
@@ -155,7 +155,7 @@ class DeepSpeedZero(Strategy):
     bf16 = suggested_when_short = True
 
     @classmethod
-    def create(cls, cfg, r, grid, device, *, micro_batch, accum, seed, **_):
+    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, accum, seed, **_):
         return cls(GPT(cfg, seed=seed), r, micro_batch, accum, device)
 
     @classmethod
@@ -273,7 +273,7 @@ class OurTPPP(Strategy):
     model_parallel = True
 
     @classmethod
-    def create(cls, cfg, r, grid, device, *, micro_batch, accum, seq_len, seed, **_):
+    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, accum, seq_len, seed, **_):
         return cls(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
 
     @classmethod
@@ -347,7 +347,7 @@ class Megatron(Strategy):
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
 
     @classmethod
-    def create(cls, cfg, r, grid, device, *, micro_batch, seq_len, seed, steps, **_):
+    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, seq_len, seed, steps, **_):
         return cls(cfg, r, grid, micro_batch, seq_len, device, seed, steps)
 
     @classmethod

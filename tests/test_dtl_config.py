@@ -184,4 +184,4 @@ def test_a_choice_field_over_a_dict_is_refused_not_read_as_one_value():
         dtype: Literal[{"fp32": 4}] = "fp32"  # meant Literal[tuple(...)]
 
     with pytest.raises(TypeError, match="a choice field takes str or int values"):
-        config.load(Slip, [])
+        config.load(Slip, ["--dtype=fp32"])
