@@ -138,13 +138,8 @@ def train_step(model, opt, tokens, cfg: Config, step: int, info) -> tuple[StepTi
         with record_function("optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    _sync_device(info)
+    dtl_dist.synchronize(info.device)
     return observe.step_breakdown(model, fwd, bwd, time.perf_counter() - t_step), loss.item()
-
-
-def _sync_device(info) -> None:
-    if info.device.type == "cuda":
-        torch.cuda.synchronize(info.device)
 
 
 def run(cfg: Config, info) -> dict:

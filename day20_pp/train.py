@@ -37,7 +37,7 @@ from day20_pp.pipeline import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
+from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import PresetName, preset
@@ -81,16 +81,10 @@ class Config:
 
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     rows = cfg.micro_batch_size * cfg.microbatches
-    x, y = get_batch(
-        tokens,
-        cfg.seq_len,
-        rows,
-        seed=cfg.seed,
-        step=step,
-        dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size,
-    )
-    return split_micro_batches(x, y, cfg.micro_batch_size, device)
+    return dp_micro_batches(
+        tokens, cfg.seq_len, rows, cfg.micro_batch_size, step=step, seed=cfg.seed,
+        dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
+    )  # fmt: skip
 
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:

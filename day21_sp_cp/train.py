@@ -39,7 +39,7 @@ from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import GPT, PresetName, loss_fn, preset
-from dtl.reference import Verdict, one_process_gpt, reference_verdict
+from dtl.reference import Verdict, dense_verdict
 
 MB = 1e6
 CP_KINDS = ("send", "all_to_all")  # ring attention's p2p, Ulysses' all-to-alls: the cp group
@@ -221,29 +221,12 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
 
 
 def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> Verdict:
-    if not cfg.check:
-        return Verdict.skip("dense check skipped (check=false)")
-
-    def dense_run():  # rank 0: the dense model in one process on the global batch
-        losses, dense = one_process_gpt(
-            preset(cfg.model),
-            result["corpus"].train,
-            seq_len=cfg.seq_len,
-            rows=cfg.batch_size * grid.dp_size,
-            steps=cfg.steps,
-            seed=cfg.seed,
-            lr=cfg.lr,
-        )
-        return losses, dict(dense.named_parameters())
-
-    return reference_verdict(
-        result["losses"],
-        result["full"],
-        dense_run,
-        steps=cfg.steps,
-        device=info.device,
-        what="the dense model",
-    )
+    """rank 0 trains the dense model in one process on the global batch (dtl.reference)."""
+    return dense_verdict(
+        result["losses"], result["full"], preset(cfg.model), result["corpus"].train,
+        seq_len=cfg.seq_len, rows=cfg.batch_size * grid.dp_size, steps=cfg.steps,
+        device=info.device, check=cfg.check, seed=cfg.seed, lr=cfg.lr,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,7 @@ from day22_megatron.stack import (
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
+from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import PresetName
@@ -121,12 +121,10 @@ class Config:
 
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     """This DP rank's rows of the step's global batch, in micro-batches of micro_batch_size."""
-    b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
-    x, y = get_batch(
-        tokens, cfg.seq_len, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size,
+    return dp_micro_batches(
+        tokens, cfg.seq_len, cfg.global_batch_size // grid.dp_size, cfg.micro_batch_size,
+        step=step, seed=cfg.seed, dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
     )  # fmt: skip
-    return split_micro_batches(x, y, b, device)
 
 
 def axis_groups(stack) -> dict[str, list]:
@@ -169,7 +167,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         stack.optimizer.step()
         state = stack_state_bytes(stack)
         stack.optimizer.zero_grad(set_to_none=True)
-        _sync(info.device)
+        dtl_dist.synchronize(info.device)
         times.append(time.perf_counter() - t0)
         if stack.pipeline is not None:
             idle.append(1 - sum(e - s for s, e, _ in stack.record.spans) / t_fb)
@@ -187,11 +185,6 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
         state=state, corpus=corpus, full=full_state(stack), device=info.device,
     )  # fmt: skip
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[list[str], bool]:

@@ -45,7 +45,7 @@ from day22_megatron.layouts import padded_preset
 from day22_megatron.megatron_gpt import gather_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.data import get_batch, load_corpus, split_micro_batches, tokenizer_for
+from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName
@@ -146,12 +146,10 @@ class Config:
 
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     """This DP rank's share of the step's global batch, cut into micro-batches of b rows."""
-    b, n = cfg.micro_batch_size, cfg.global_batch_size // grid.dp_size
-    x, y = get_batch(
-        tokens, cfg.seq_length, n, seed=cfg.seed, step=step, dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size,
+    return dp_micro_batches(
+        tokens, cfg.seq_length, cfg.global_batch_size // grid.dp_size, cfg.micro_batch_size,
+        step=step, seed=cfg.seed, dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
     )  # fmt: skip
-    return split_micro_batches(x, y, b, device)
 
 
 def build(cfg: Config, grid: ParallelGrid, device) -> mcore.Parts:
@@ -193,13 +191,13 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
     losses, norms, times = [], [], []
     for step in range(cfg.train_iters):
         mbs = micro_batches(corpus.train, cfg, step, grid, info.device)
-        _sync(info.device)
+        dtl_dist.synchronize(info.device)
         t0 = time.perf_counter()
         loss, norm = mcore.train_step(
             parts, forward_step, mbs, seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size,
         )  # fmt: skip
-        _sync(info.device)
+        dtl_dist.synchronize(info.device)
         times.append(time.perf_counter() - t0)
         losses.append(dtl_dist.all_reduce_scalar(loss) / last_stage_ranks)
         norms.append(float(norm))
@@ -211,11 +209,6 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
         losses=losses, norms=norms, times=times, params=params, full=full, roundtrip=roundtrip,
         groups=dm.megatron_group_ranks(),
     )  # fmt: skip
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --- the report -----------------------------------------------------------------------------------

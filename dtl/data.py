@@ -273,6 +273,16 @@ def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int, device=Non
     ]
 
 
+def dp_micro_batches(tokens, seq_len: int, rows: int, micro: int, *, step: int, seed: int,
+                     dp_rank: int, dp_size: int, device=None) -> list:  # fmt: skip
+    """This DP rank's `rows` sequences of the step's global batch (get_batch), cut into
+    micro-batches of `micro` rows on `device`: what a pipeline or an accumulating rank runs."""
+    x, y = get_batch(
+        tokens, seq_len, rows, seed=seed, step=step, dp_rank=dp_rank, dp_size=dp_size
+    )  # (rows, T) each
+    return split_micro_batches(x, y, micro, device)
+
+
 # --- context parallelism: which tokens of a sequence each cp rank holds ------------------------
 
 CP_SPLITS = ("contiguous", "zigzag")

@@ -175,6 +175,13 @@ def run_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA stream runs ahead of the host; a timer must
+    wait for it); nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
     """Sum (or average) one Python number over `group`: a float64 tensor on the device the
     backend needs (NCCL only reduces CUDA tensors), for losses and timings in step logs."""

@@ -207,6 +207,25 @@ def reference_verdict(
     )  # fmt: skip
 
 
+def dense_verdict(losses, params, model_cfg, tokens, *, seq_len: int, rows: int, steps: int,
+                  device, check: bool = True, **gpt_kwargs) -> Verdict:  # fmt: skip
+    """A model-parallel run (TP, SP, CP) against the dense model: rank 0 trains
+    one_process_gpt(model_cfg, tokens, ...) on the global batch and compares its losses and
+    parameters (named_parameters(), a tied weight once) with the run's; every rank gets the
+    Verdict. check=False: skipped, said so."""
+    if not check:
+        return Verdict.skip("dense check skipped (check=false)")
+
+    def dense_run():  # rank 0 only: the dense model in one process on the global batch
+        kw = dict(seq_len=seq_len, rows=rows, steps=steps, **gpt_kwargs)
+        ref_losses, dense = one_process_gpt(model_cfg, tokens, **kw)
+        return ref_losses, dict(dense.named_parameters())
+
+    return reference_verdict(
+        losses, params, dense_run, steps=steps, device=device, what="the dense model"
+    )
+
+
 def replica_gap(model: torch.nn.Module, group=None) -> float:
     """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
 
