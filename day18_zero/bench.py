@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class Config:
     steps: int = 12  # steps per trainer, alternating
     warmup: int = 2  # first steps of each trainer left out of the medians
     out_dir: str = "outputs/day18_zero/bench"  # bench.csv
+    # derived by validate(): the pairs as a list, and the zero2 pair's checked ds_config
+    pair_list: list = field(default_factory=list, init=False)
+    ds: dict | None = field(default=None, init=False)
 
     def validate(self) -> None:
         err = dtl_config.ConfigError

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
@@ -69,6 +69,9 @@ class Config:
     check: bool = True  # fp32 only: rank 0 also trains one process on the global batch, compares
     seed: int = 0  # model init and batches
     out_dir: str = ""  # where the run writes; empty: outputs/day18_zero/<impl>-zero<stage>
+    # derived by validate(): the device init() will give this run, and the checked ds_config
+    device_type: str = field(default="", init=False)
+    ds: dict | None = field(default=None, init=False)
 
     def validate(self) -> None:
         self.out_dir = self.out_dir or f"outputs/day18_zero/{self.impl}-zero{self.stage}"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +63,8 @@ class Config:
     resume: bool = False  # load the checkpoint in ckpt_dir and continue from its step
     seed: int = 0  # model init and batches
     out_dir: str = ""  # empty: outputs/day23_zero3_offload/<template>
+    # derived by validate(): why this line cannot run here (NVMe without libaio), "" if it can
+    skip_reason: str = field(default="", init=False)
 
     def model_config(self):
         return preset(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))

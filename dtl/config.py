@@ -50,7 +50,15 @@ class HelpRequested(Exception):
 
 def _field_types(cls) -> dict[str, type]:
     hints = typing.get_type_hints(cls, include_extras=True)  # keep Annotated's label
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.name: hints[f.name] for f in settable_fields(cls)}
+
+
+def settable_fields(cls) -> list[dataclasses.Field]:
+    """The fields a user sets (defaults, TOML, --key=value). A field declared with
+    `dataclasses.field(init=False, ...)` is derived: `validate()` fills it (a loaded ds_config,
+    the planned device), it is no key and is not saved, but it is declared, so a reader sees
+    every attribute a config has."""
+    return [f for f in dataclasses.fields(cls) if f.init]
 
 
 def choices(typ) -> tuple[str | None, tuple] | None:
@@ -166,7 +174,7 @@ def _rule(name: str):
 
 def check_values(cfg) -> None:
     """The shared numeric checks: by-name rules and finite floats."""
-    for key, value in dataclasses.asdict(cfg).items():
+    for key, value in to_dict(cfg).items():
         if isinstance(value, bool) or value is None:
             continue
         rule = _rule(key)
@@ -316,7 +324,8 @@ def parse(cls, argv: list[str] | None = None):
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The settable fields and their values (derived fields left out)."""
+    return {f.name: dataclasses.asdict(cfg)[f.name] for f in settable_fields(type(cfg))}
 
 
 def describe(cfg) -> str:

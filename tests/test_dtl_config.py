@@ -1,6 +1,7 @@
 """dtl.config: defaults -> TOML -> --key=value, --help from the dataclass, the value checks every
 script gets, and one-line errors for bad input."""
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -185,3 +186,20 @@ def test_a_choice_field_over_a_dict_is_refused_not_read_as_one_value():
 
     with pytest.raises(TypeError, match="a choice field takes str or int values"):
         config.load(Slip, ["--dtype=fp32"])
+
+
+@dataclass
+class Derived:
+    steps: int = 2  # optimizer steps
+    plan: list = dataclasses.field(default_factory=list, init=False)  # filled by validate()
+
+    def validate(self):
+        self.plan = list(range(self.steps))
+
+
+def test_a_derived_field_is_declared_filled_by_validate_and_neither_a_key_nor_saved():
+    cfg = config.load(Derived, ["--steps=3"])
+    assert cfg.plan == [0, 1, 2] and config.to_dict(cfg) == {"steps": 3}
+    with pytest.raises(config.ConfigError, match="unknown config key 'plan'"):
+        config.load(Derived, ["--plan=x"])
+    assert "--plan" not in config.help_text(Derived, prog="x", description="")

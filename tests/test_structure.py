@@ -127,6 +127,29 @@ def test_every_grid_parameter_is_typed_as_a_parallel_grid():
     assert not untyped, untyped
 
 
+def test_a_config_validate_sets_only_declared_fields():
+    """validate() may fill derived fields, declared with field(init=False): never new ones."""
+    undeclared = []
+    for mod, path in MODULES.items():
+        for cls in ast.walk(ast.parse(open(path).read(), path)):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "validate":
+                    undeclared += [
+                        f"{mod}.{cls.name}.{a.attr}"
+                        for node in ast.walk(fn)
+                        if isinstance(node, ast.Assign)
+                        for t in node.targets
+                        for a in ast.walk(t)
+                        if isinstance(a, ast.Attribute)
+                        and getattr(a.value, "id", None) == "self"
+                        and a.attr not in declared
+                    ]
+    assert not undeclared, undeclared
+
+
 def test_no_import_circle():
     assert _cycles(GRAPH) == []
 
