@@ -356,9 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         + (", even/odd sub-groups included" if cfg.sub_groups and info.world_size > 1 else "")
     )
     failed = not all(ok_all)
-    dtl_dist.cleanup()
-    if failed:
-        raise SystemExit(1)
+    dtl_dist.finish(not failed)
 
 
 if __name__ == "__main__":

@@ -157,9 +157,7 @@ def main() -> None:
     dtl_dist.print0(f"summary: ddp replicas identical on all ranks: {'yes' if same else 'NO'}")
     dtl_dist.print0(f"saved {cfg.out_dir}/model.pt, TensorBoard in {cfg.out_dir}/tb")
     ok = same and acc >= cfg.target_accuracy
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(ok)
 
 
 if __name__ == "__main__":

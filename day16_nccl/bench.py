@@ -212,9 +212,7 @@ def main() -> None:
         + (" (1 rank: 0 rounds and 0 bytes, trivially)" if info.world_size == 1 else "")
     )
     failed = sum(r["wrong"] for r in rows) > 0 or not counts_ok
-    dtl_dist.cleanup()
-    if failed:
-        raise SystemExit(1)
+    dtl_dist.finish(not failed)
 
 
 if __name__ == "__main__":

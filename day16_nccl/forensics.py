@@ -221,9 +221,7 @@ def main() -> None:
             f"summary: forensics report ({'log' if use_nccl else 'fixture'}): {report_lines(rep)}",
             flush=True,
         )
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(ok)
 
 
 if __name__ == "__main__":

@@ -216,9 +216,7 @@ def main() -> None:
         f"summary: day17 beyond on {info.world_size} ranks: {len(passed)} checked ok "
         f"({', '.join(passed) or '-'}), skipped {skipped or '-'}, failed {failed or '-'}"
     )
-    dtl_dist.cleanup()
-    if failed:
-        raise SystemExit(1)
+    dtl_dist.finish(not failed)
 
 
 if __name__ == "__main__":

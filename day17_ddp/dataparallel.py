@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     line, ok = run(cfg)
     print(line, flush=True)
-    dtl_dist.cleanup()  # no process group here: DataParallel needs none
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(ok)  # no process group here: DataParallel needs none
 
 
 if __name__ == "__main__":

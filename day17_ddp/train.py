@@ -294,9 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(cfg, info)
     report(cfg, info, result)
     failed = result["gap"] != 0
-    dtl_dist.cleanup()
-    if failed:
-        raise SystemExit(1)
+    dtl_dist.finish(not failed)
 
 
 if __name__ == "__main__":

@@ -339,10 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.impl == "deepspeed":
         save_ds_config(cfg, info)
     result = run(cfg, info)
-    ok = report(cfg, info, result)
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(report(cfg, info, result))  # cleanup; exit 1 if a check failed
 
 
 if __name__ == "__main__":

@@ -172,9 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         path = os.path.join(cfg.out_dir, "layout.png")
         plot_layout(preset(cfg.model, n_layer=1), cfg.tp, path)
         print(f"layout: {path}", flush=True)
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(ok)
 
 
 if __name__ == "__main__":

@@ -270,9 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{best['layout']}; on GPUs the rule is TP inside a node (NVLink), PP across nodes, "
         "DP outermost (notes)"
     )
-    dtl_dist.cleanup()
-    if not exact:
-        raise SystemExit(1)
+    dtl_dist.finish(exact)
 
 
 if __name__ == "__main__":

@@ -286,10 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     result = run(cfg, info)
-    ok = report(cfg, info, result)
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(report(cfg, info, result))  # cleanup; exit 1 if a check failed
 
 
 if __name__ == "__main__":

@@ -317,10 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens per DP rank per step, {cfg.global_batch_size * cfg.seq_len:,} tokens per step"
     )
     result = run(cfg, info, grid)
-    ok = report(cfg, info, grid, result)
-    dtl_dist.cleanup()
-    if not ok:
-        raise SystemExit(1)
+    dtl_dist.finish(report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed
 
 
 if __name__ == "__main__":

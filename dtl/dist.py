@@ -161,6 +161,14 @@ def cleanup() -> None:
     gc.collect()
 
 
+def finish(ok: bool = True) -> None:
+    """A script's last call: cleanup() (barrier, destroy the group, gc), then exit 1 when the
+    run's own checks failed, so torchrun, make tour and CI see the failure."""
+    cleanup()
+    if not ok:
+        raise SystemExit(1)
+
+
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
 

@@ -156,6 +156,19 @@ def test_init_works_as_a_plain_one_process_run():
     assert out.stdout.strip() == "0 1 gloo cpu [1.0, 1.0]"
 
 
+def test_finish_cleans_up_then_exits_1_when_the_runs_checks_failed():
+    # the passing side, finish(True), ends every lesson line tests/test_lessons.py runs
+    code = (
+        "import atexit, torch.distributed as td; from dtl import dist as d; d.init(); "
+        "atexit.register(lambda: print('group left:', td.is_initialized())); d.finish(False)"
+    )
+    env = {**os.environ, "DTL_BACKEND": "gloo"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 1 and out.stdout.strip() == "group left: False", out.stderr
+
+
 def test_backend_is_gloo_without_gpus_and_can_be_forced(monkeypatch):
     monkeypatch.delenv("DTL_BACKEND", raising=False)
     if not torch.cuda.is_available():
