@@ -48,12 +48,9 @@ class TorchData(Strategy):
 
     bf16 = compile = True
 
-    @classmethod
-    def create(cls, cfg, r, grid: ParallelGrid, device, *, seed, **_):
-        return cls(GPT(cfg, seed=seed).to(device), r, device)
-
-    def __init__(self, gpt: GPT, r: Recipe, device):
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, seed: int, **_):
         self.r, self.device = r, device
+        gpt = GPT(cfg, seed=seed).to(device)
         if self.name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -155,10 +152,6 @@ class DeepSpeedZero(Strategy):
     bf16 = suggested_when_short = True
 
     @classmethod
-    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, accum, seed, **_):
-        return cls(GPT(cfg, seed=seed), r, micro_batch, accum, device)
-
-    @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
         # day 18's table: DeepSpeed keeps an fp32 master beside fp32 parameters too
         from day18_zero import formulas
@@ -175,8 +168,11 @@ class DeepSpeedZero(Strategy):
     def zero_section(self) -> dict:
         return {"stage": self.stage}
 
-    def __init__(self, gpt: GPT, r: Recipe, micro_batch: int, accum: int, device):
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
+                 micro_batch: int, accum: int, seed: int, **_):  # fmt: skip
         from dtl.deepspeed import check_sections, import_deepspeed
+
+        gpt = GPT(cfg, seed=seed)  # DeepSpeed moves it to the accelerator's device
 
         deepspeed = import_deepspeed(device.type)  # its accelerator = the run's device
         self.r = r
@@ -273,15 +269,11 @@ class OurTPPP(Strategy):
     model_parallel = True
 
     @classmethod
-    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, accum, seq_len, seed, **_):
-        return cls(cfg, r, grid, micro_batch, accum, seq_len, device, seed)
-
-    @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
         return _fullest_stage(m, world, tp, pp, distopt=False), 0.0
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
-                 accum: int, seq_len: int, device, seed: int):  # fmt: skip
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
+                 micro_batch: int, accum: int, seq_len: int, seed: int, **_):  # fmt: skip
         from day22_megatron import stack
 
         self.stack_mod, self.r = stack, r
@@ -347,16 +339,12 @@ class Megatron(Strategy):
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
 
     @classmethod
-    def create(cls, cfg, r, grid: ParallelGrid, device, *, micro_batch, seq_len, seed, steps, **_):
-        return cls(cfg, r, grid, micro_batch, seq_len, device, seed, steps)
-
-    @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
         # its DistributedOptimizer shards Adam's m and v (and the fp32 grads) over dp
         return _fullest_stage(m, world, tp, pp, distopt=True), 0.0
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, micro_batch: int,
-                 seq_len: int, device, seed: int, steps: int):  # fmt: skip
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
+                 micro_batch: int, seq_len: int, seed: int, steps: int, **_):  # fmt: skip
         import dtl.megatron as dm
         from day22_megatron import mcore
 
@@ -408,7 +396,7 @@ def build(name: str, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, m
     """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
     if name not in REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; one of {', '.join(REGISTRY)}")
-    return REGISTRY[name].create(
+    return REGISTRY[name](
         cfg, r, grid, device, micro_batch=micro_batch, accum=accum, seq_len=seq_len, seed=seed,
         steps=steps,
     )  # fmt: skip

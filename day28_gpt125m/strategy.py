@@ -35,10 +35,10 @@ class Strategy:
     last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
-    @classmethod
-    def create(cls, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
-               accum: int, seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
-        """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
+                 accum: int, seq_len: int, seed: int, steps: int):  # fmt: skip
+        """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid.
+        Every strategy takes these arguments (a subclass names the ones it uses, then **_)."""
         raise NotImplementedError
 
     @classmethod

@@ -249,12 +249,7 @@ def load_ds_config(
         )
     ds["train_batch_size"] = want_batch
     _resolve(ds, ("zero_optimization", "stage"), stage, "--stage")
-    for name, value in (
-        ("lr", opt.lr),
-        ("eps", opt.eps),
-        ("weight_decay", opt.weight_decay),
-        ("betas", list(opt.betas)),
-    ):
+    for name, value in opt.deepspeed_params().items():
         _resolve(ds, ("optimizer", "params", name), value, f"--{name}")
     _resolve(ds, ("bf16", "enabled"), dtype == "bf16", "--dtype")
     check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers

@@ -66,7 +66,7 @@ class OptimConfig:
     def deepspeed_params(self) -> dict:
         """The ds_config's optimizer.params for AdamW (decay groups come with the parameters)."""
         wd = self.weight_decay
-        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": wd}
+        return {"lr": self.lr, "eps": self.eps, "weight_decay": wd, "betas": list(self.betas)}
 
     def megatron_kwargs(self) -> dict:
         """megatron-core's OptimizerConfig fields (it decays matrices only, its own rule)."""
