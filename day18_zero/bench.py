@@ -6,7 +6,7 @@ each ratio is median(A) / median(B) after warm-up steps.
     torchrun --standalone --nproc_per_node=2 -m day18_zero.bench                 # ~1-2 min
     torchrun --standalone --nproc_per_node=2 -m day18_zero.bench --pairs=zero3
 GPUs: torchrun --standalone --nproc_per_node=gpu -m day18_zero.bench --model=gpt2-124m \
-          --dtype=bf16 --seq_len=512 --batch_size=8
+          --precision=bf16 --seq_len=512 --batch_size=8
 Writes outputs/day18_zero/bench/bench.csv.
 """
 
@@ -28,6 +28,7 @@ from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import write_csv
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS, PrecisionName
 
 # pair name -> (A, B): (impl, stage) of the two trainers compared
 PAIRS = {
@@ -40,7 +41,8 @@ PAIRS = {
 class Config:
     pairs: str = "zero2,zero3"  # comma-separated: zero2 (hand vs DeepSpeed), zero3 (hand vs FSDP2)
     model: PresetName = "small"  # GPT preset
-    dtype: str = "fp32"  # fp32 | bf16 for zero2; zero3 always runs fp32 (FSDP2 here has no master)
+    # fp32 | bf16, for zero2; zero3 always runs fp32 (FSDP2 here has no master)
+    precision: PrecisionName = "fp32"
     batch_size: int = 4  # sequences per rank
     seq_len: int = 64  # tokens per sequence
     steps: int = 12  # steps per trainer, alternating
@@ -56,8 +58,9 @@ class Config:
         bad = [p for p in self.pair_list if p not in PAIRS]
         if bad or not self.pair_list:
             raise err(f"unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise err(f"dtype must be fp32 or bf16, got '{self.dtype}'")
+        if PRECISIONS[self.precision].loss_scaling:
+            raise err(f"precision {self.precision} needs a loss scaler the hand engine lacks; "
+                      "bench fp32 or bf16")  # fmt: skip
         if self.steps <= self.warmup:
             raise err(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         if "zero2" in self.pair_list:
@@ -75,16 +78,20 @@ class Config:
             grad_accum=1,
             world_size=dtl_dist.launch_world_size(),
             opt=OptimConfig(),
-            dtype=self.dtype,
+            precision=self.precision,
             device_type=device_type,
         )
 
 
+def pair_precision(cfg: Config, pair: str) -> str:
+    return cfg.precision if pair == "zero2" else "fp32"
+
+
 def make_trainer(cfg: Config, pair: str, impl: str, stage: int, device) -> engines.Trainer:
     gpt = GPT(preset(cfg.model), seed=0).to(device)
-    dtype = cfg.dtype if pair == "zero2" else "fp32"  # both sides of a pair in one precision
-    if dtype == "bf16" and impl == "hand":
-        gpt = gpt.to(torch.bfloat16)
+    precision = PRECISIONS[pair_precision(cfg, pair)]  # both sides of a pair in one precision
+    if not precision.is_fp32 and impl == "hand":
+        gpt = gpt.to(precision.dtype)
     return engines.build(
         impl,
         stage,
@@ -129,7 +136,7 @@ def compare(cfg: Config, info, tokens, pair: str) -> dict:
     med_a, med_b = statistics.median(times_a), statistics.median(times_b)
     return dict(
         pair=pair,
-        dtype=cfg.dtype if pair == "zero2" else "fp32",
+        precision=pair_precision(cfg, pair),
         a=a.label,
         b=b.label,
         a_ms=med_a,
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         write_csv(rows, os.path.join(cfg.out_dir, "bench.csv"))
     for r in rows:
         dtl_dist.print0(
-            f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {r['dtype']}: "
+            f"summary: bench {r['pair']} on {info.world_size} ranks, {cfg.model} {r['precision']}: "
             f"{r['a']} / {r['b']} step time = {r['a_ms']:.0f} / {r['b_ms']:.0f} ms = "
             f"{r['ratio']:.2f} (medians of {r['steps']} interleaved steps)"
         )

@@ -32,11 +32,9 @@ class DeepSpeedZero(Trainer):
         # DeepSpeed's stage 1 runs stage 2's code: its gradients, too, live only as partitions
         return 2 if self.stage == 1 else self.stage
 
-    def precision(self, dtype):
+    def state_precision(self, precision):
         # in fp32 DeepSpeed still keeps an fp32 "master" partition beside the fp32 parameters
-        if dtype == "bf16":
-            return "mixed"
-        return "fp32" if self.stage == 0 else "fp32+master"
+        return precision if self.stage == 0 else precision.with_fp32_master()
 
     def __init__(self, gpt, stage, group, opt, no_sync, ds_config: dict):
         super().__init__(gpt, stage, group, opt, no_sync)

@@ -18,31 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtl.precision import PRECISIONS, Precision
+
 STAGES_ALL = (0, 1, 2, 3)
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each kind of model state."""
-
-    name: str
-    param: int
-    grad: int
-    optim: int
-
-    @property
-    def total(self) -> int:
-        return self.param + self.grad + self.optim
-
-
-PRECISIONS = {
-    # bf16/fp16 parameters and gradients; fp32 master weights, Adam m and v: K = 12 (the paper's)
-    "mixed": Precision("mixed", 2, 2, 12),
-    # fp32 training: the fp32 parameters are what Adam updates, so no master copy: K = 8
-    "fp32": Precision("fp32", 4, 4, 8),
-    # DeepSpeed in fp32 still keeps a separate fp32 partition of the parameters to step
-    "fp32+master": Precision("fp32+master", 4, 4, 12),
-}
 
 
 @dataclass(frozen=True)
@@ -91,6 +69,6 @@ PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # as printed in the paper (roun
 def paper_example() -> dict[int, float]:
     """GB per GPU for the paper's example, computed (10^9 bytes, as the paper counts)."""
     return {
-        s: model_state_bytes(PAPER_PSI, PAPER_N, s, PRECISIONS["mixed"]).total / 1e9
+        s: model_state_bytes(PAPER_PSI, PAPER_N, s, PRECISIONS["bf16"]).total / 1e9
         for s in STAGES_ALL
     }

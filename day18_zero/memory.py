@@ -26,6 +26,7 @@ from dtl import dist as dtl_dist
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, preset
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS
 
 FORMULA_NS = (8, 64, 1024)
 MB = 1e6
@@ -77,12 +78,12 @@ def measure_all(cfg: Config, info) -> dict[tuple, dict[str, int]]:
     for n in measured_sizes(info.world_size):
         group = dist.new_group(list(range(n)))  # every rank takes part in creating it
         if info.rank < n:
-            for prec, dtype in (("fp32", torch.float32), ("mixed", torch.bfloat16)):
+            for prec in ("fp32", "bf16"):
                 for stage in (1, 2, 3) if n > 1 else (0, 1, 2, 3):
                     key = (prec, stage, n)
-                    out[key] = measure(cfg, stage, dtype, group, info.device)
+                    out[key] = measure(cfg, stage, PRECISIONS[prec].dtype, group, info.device)
         dist.barrier()
-    for prec in ("fp32", "mixed"):  # stage 0: a replica, the same for every N (rank 0 has it)
+    for prec in ("fp32", "bf16"):  # stage 0: a replica, the same for every N (rank 0 has it)
         for n in measured_sizes(info.world_size)[1:] if info.rank == 0 else ():
             out[(prec, 0, n)] = out[(prec, 0, 1)]
     return out
@@ -90,8 +91,8 @@ def measure_all(cfg: Config, info) -> dict[tuple, dict[str, int]]:
 
 def table(psi: int, measured: dict, world: int) -> list[dict]:
     rows = []
-    for prec in ("fp32", "mixed"):
-        p = formulas.PRECISIONS[prec]
+    for prec in ("fp32", "bf16"):
+        p = PRECISIONS[prec]
         for stage in formulas.STAGES_ALL:
             for n in (*measured_sizes(world), *FORMULA_NS):
                 want = formulas.model_state_bytes(psi, n, stage, p)
@@ -119,8 +120,8 @@ def print_table(rows: list[dict], psi: int) -> float:
         "rank 0's live tensors before the optimizer step",
         flush=True,
     )
-    for prec in ("fp32", "mixed"):
-        p = formulas.PRECISIONS[prec]
+    for prec in ("fp32", "bf16"):
+        p = PRECISIONS[prec]
         print(f"\n{prec}: {p.param} + {p.grad} + {p.optim} bytes per parameter", flush=True)
         print(
             f"{'stage':<7}{'N':>6}{'params':>10}{'grads':>10}{'optim':>10}"
@@ -156,7 +157,7 @@ def deepspeed_estimates(gpt: torch.nn.Module, psi: int) -> None:
         )
         return
     largest = max(p.numel() for p in gpt.parameters())
-    mixed = formulas.PRECISIONS["mixed"]
+    mixed = PRECISIONS["bf16"]  # the paper's mixed precision: 2 + 2 + 12
     print(
         "\nDeepSpeed's estimators (GPU bytes, no offload) vs the paper's formula, mixed precision:",
         flush=True,
@@ -196,7 +197,7 @@ def deepspeed_estimates(gpt: torch.nn.Module, psi: int) -> None:
 
 def paper_line() -> str:
     got = formulas.paper_example()
-    return "paper example (Ψ = 7.5B, N = 64, mixed): " + ", ".join(
+    return "paper example (Ψ = 7.5B, N = 64, bf16): " + ", ".join(
         f"stage {s} {got[s]:.1f} GB (paper: {formulas.PAPER_GB[s]})" for s in formulas.STAGES_ALL
     )
 
@@ -209,8 +210,8 @@ def plot(rows: list[dict], psi: int, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     ns = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    for ax, prec in zip(axes, ("mixed", "fp32")):
-        p = formulas.PRECISIONS[prec]
+    for ax, prec in zip(axes, ("bf16", "fp32")):
+        p = PRECISIONS[prec]
         for stage in formulas.STAGES_ALL:
             line = [formulas.model_state_bytes(psi, n, stage, p).total / MB for n in ns]
             (h,) = ax.plot(ns, line, label=f"stage {stage} (formula)")

@@ -4,7 +4,7 @@ CPU (gloo), 2 processes, ~10-15 s each:
     torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=2 --impl=hand
     torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=3 --impl=deepspeed
     torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=1 --impl=torch
-    ... --dtype=bf16 (hand and deepspeed) | --grad_accum=4 | --no_sync=false | --model=tiny-nobias
+    ... --precision=bf16 (hand, deepspeed) | --grad_accum=4 | --no_sync=false | --model=tiny-nobias
 GPUs (NCCL, one process per GPU):
     torchrun --standalone --nproc_per_node=gpu -m day18_zero.train --stage=3 \
         --config day18_zero/gpu.toml
@@ -41,9 +41,9 @@ from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS, PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 1e6
 
 
@@ -53,8 +53,8 @@ class Config:
     stage: Annotated[Literal[formulas.STAGES_ALL], "ZeRO stage"] = 2
     impl: Literal[engines.IMPLS] = "hand"  # hand | torch | deepspeed
     model: PresetName = "small"  # GPT preset (`small`: 7.3M parameters, 6.4M of them in wte)
-    # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU)
-    dtype: Literal[tuple(DTYPES)] = "fp32"
+    # fp32 | bf16 (bf16 params and grads, fp32 master, m, v) | fp16 (GPU, DeepSpeed's loss scaler)
+    precision: PrecisionName = "fp32"
     batch_size: int = 4  # sequences per rank per micro-step (DeepSpeed's micro batch)
     seq_len: int = 64  # tokens per sequence
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -80,16 +80,22 @@ class Config:
             self.device_type = planned_device_type()  # the device init() will give this run
         except DsConfigError as e:
             raise err(str(e)) from None
-        if self.dtype == "fp16" and self.device_type != "cuda":
+        p = PRECISIONS[self.precision]
+        if p.loss_scaling and self.device_type != "cuda":
             raise err(
-                "dtype fp16 needs a GPU (DeepSpeed refuses fp16 on a CPU, and this run's device "
-                "is the CPU); use bf16"
+                f"precision {p.name} needs a GPU (DeepSpeed refuses fp16 on a CPU, and this run's "
+                "device is the CPU); use bf16"
             )
-        if self.dtype != "fp32" and (
+        if p.loss_scaling and self.impl != "deepspeed":
+            raise err(
+                f"precision {p.name} needs a loss scaler: impl=deepspeed (its fp16 section) has "
+                "one, the hand engine does not; use bf16"
+            )
+        if not p.is_fp32 and (
             self.impl == "torch" or (self.impl == "hand" and self.stage not in HAND_ZERO_STAGES)
         ):
             raise err(
-                f"dtype {self.dtype} runs with impl=hand stages 1-3 (fp32 master copies) or "
+                f"precision {p.name} runs with impl=hand stages 1-3 (fp32 master copies) or "
                 "impl=deepspeed; DDP, ZeroRedundancyOptimizer and plain FSDP2 have no master"
             )
         if self.seq_len > preset(self.model).block_size:
@@ -107,7 +113,7 @@ class Config:
                 grad_accum=self.grad_accum,
                 world_size=dtl_dist.launch_world_size(),  # torchrun's, before init
                 opt=self.optim(),
-                dtype=self.dtype,
+                precision=self.precision,
                 device_type=self.device_type,  # DeepSpeed's accelerator: the run's device
             )
         except DsConfigError as e:
@@ -135,8 +141,9 @@ def micro_batches(tokens, cfg: Config, step: int, rank: int, world: int, device)
 
 def build_trainer(cfg: Config, info) -> engines.Trainer:
     gpt = GPT(preset(cfg.model), seed=cfg.seed).to(info.device)
-    if cfg.dtype == "bf16" and cfg.impl == "hand":
-        gpt = gpt.to(torch.bfloat16)  # ZeroModel keeps fp32 masters of its slices
+    precision = PRECISIONS[cfg.precision]
+    if not precision.is_fp32 and cfg.impl == "hand":
+        gpt = gpt.to(precision.dtype)  # ZeroModel keeps fp32 masters of its slices
     return engines.build(
         cfg.impl,
         cfg.stage,
@@ -215,7 +222,7 @@ def report(cfg: Config, info, result: dict) -> bool:
     t: engines.Trainer = result["trainer"]
     n = info.world_size
     psi = _distinct_numel(result["params"])
-    prec = formulas.PRECISIONS[t.precision(cfg.dtype)]
+    prec = t.state_precision(PRECISIONS[cfg.precision])
     want = formulas.model_state_bytes(psi, n, t.formula_stage(), prec)
     got = t.bytes_before_step
     dtl_dist.print0(
@@ -238,7 +245,7 @@ def report(cfg: Config, info, result: dict) -> bool:
     _print_per_rank_totals(sum(got.values()))
     _print_live_and_device_memory(t, info, want.total)
     comm = result["comm"]
-    elem = DTYPES[cfg.dtype].itemsize
+    elem = PRECISIONS[cfg.precision].dtype.itemsize
     pred = formulas.comm_bytes_per_rank(t.padded_numel(), n, cfg.stage, elem)
     if cfg.stage == 3 and cfg.grad_accum > 1:
         pred *= (2 * cfg.grad_accum + 1) / 3  # gathered twice per micro-step, reduced once
@@ -251,7 +258,7 @@ def report(cfg: Config, info, result: dict) -> bool:
     matches = _compare_with_one_process(cfg, info, result)
     total, formula_total = sum(got.values()), want.total
     dtl_dist.print0(
-        f"summary: day18 stage={cfg.stage} impl={cfg.impl} dtype={cfg.dtype} ranks={n}: "
+        f"summary: day18 stage={cfg.stage} impl={cfg.impl} precision={cfg.precision} ranks={n}: "
         f"{matches}; per-rank state {total / MB:.3f} MB vs formula {formula_total / MB:.3f} MB "
         f"({_pct(total, formula_total)}); sent {sum(comm.values()) / MB:.3f} MB/step vs formula "
         f"{pred / MB:.3f} MB"
@@ -294,7 +301,7 @@ def _print_live_and_device_memory(t: engines.Trainer, info, formula_total: float
 
 
 def _compare_with_one_process(cfg: Config, info, result) -> Verdict:
-    if not cfg.check or cfg.dtype != "fp32":
+    if not cfg.check or cfg.precision != "fp32":
         return Verdict.skip("one-process check skipped" + ("" if cfg.check else " (check=false)"))
     return reference_verdict(
         result["losses"],

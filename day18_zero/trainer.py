@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from dtl.model import loss_fn
 from dtl.optim import OptimConfig
+from dtl.precision import Precision
 from dtl.state import StateBytes
 
 
@@ -26,8 +27,9 @@ class Trainer:
     def formula_stage(self) -> int:
         return self.stage
 
-    def precision(self, dtype: str) -> str:
-        return "mixed" if dtype == "bf16" else "fp32"
+    def state_precision(self, precision: Precision) -> Precision:
+        """The bytes per parameter this implementation holds when it trains in `precision`."""
+        return precision
 
     def __init__(self, gpt: nn.Module, stage: int, group, opt: OptimConfig, no_sync: bool):
         self.gpt, self.stage, self.group, self.opt_cfg = gpt, stage, group, opt

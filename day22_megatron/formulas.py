@@ -31,6 +31,7 @@ from day20_pp.schedules import bubble_formula
 from day21_sp_cp import formulas as sp_cp
 from day22_megatron.layouts import Layout
 from dtl.model import GPTConfig
+from dtl.precision import PRECISIONS
 
 FP32 = 4
 ADAM_STATES = 2  # m and v, fp32
@@ -103,11 +104,14 @@ def comm_bytes(
     return out
 
 
-def activation_bytes(cfg: GPTConfig, seq_len: int, micro: int, tp: int, bf16: bool = True) -> float:
+def activation_bytes(
+    cfg: GPTConfig, seq_len: int, micro: int, tp: int, precision: str = "bf16"
+) -> float:
     """The activations one GPU holds at its peak (the module docstring's count; day 28's fit.py
     and day 22's plan.py both predict with it). An upper bound per rank with pp > 1: the layers'
     share peaks on the first stage, the logits on the last."""
-    layers = cfg.n_layer * 34 * seq_len * micro * cfg.n_embd * (1 if bf16 else 2) / tp
+    per_element = PRECISIONS[precision].dtype.itemsize / 2  # the 34 counts 2-byte activations
+    layers = cfg.n_layer * 34 * seq_len * micro * cfg.n_embd * per_element / tp
     return layers + 8 * micro * seq_len * cfg.vocab_size / tp
 
 

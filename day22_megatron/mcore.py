@@ -20,6 +20,7 @@ from day22_megatron.megatron_gpt import build_model_chunks, load_dense
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS, Precision
 
 
 @dataclass
@@ -68,13 +69,14 @@ def build(
     vpp: int | None = None,
     sequence_parallel: bool = False,
     distributed_optimizer: bool = False,
-    bf16: bool = False,
+    precision: Precision = PRECISIONS["fp32"],
     seed: int = 0,
     scheduler: bool = True,
 ) -> Parts:
     """Megatron's model chunks, DDP wrappers, optimizer and (a constant) scheduler, from the dtl
     GPT(gpt_cfg, seed): one model for every layout. `vpp`: model chunks per pipeline rank
-    (interleaved 1F1B); `distributed_optimizer`: Adam's state sharded over DP (ZeRO-1)."""
+    (interleaved 1F1B); `distributed_optimizer`: Adam's state sharded over DP (ZeRO-1);
+    `precision`: fp32, or bf16 parameters with fp32 main parameters in the optimizer."""
     from megatron.core import tensor_parallel as mtp
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -84,7 +86,9 @@ def build(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    if precision.loss_scaling:
+        raise ValueError(f"precision {precision.name} needs megatron's loss scaler: not wired here")
+    dtype, bf16 = precision.dtype, precision.dtype == torch.bfloat16
     torch.manual_seed(seed)
     mtp.model_parallel_cuda_manual_seed(seed)  # megatron's per-TP-rank RNG streams
     chunks = build_model_chunks(

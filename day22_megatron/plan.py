@@ -31,8 +31,8 @@ from day22_megatron import formulas
 from day22_megatron.layouts import Layout
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.metrics import PEAK_BF16_FLOPS
 from dtl.model import PRESETS, GPTConfig, flops_per_token
+from dtl.precision import PRECISIONS
 
 GB = 1e9
 BF16 = 2
@@ -42,6 +42,8 @@ MODELS = {
     # course GPT's blocks (GELU MLP of 4h, learned positions): 6.6 B parameters
     "gpt-6.6b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=4096, vocab_size=32000),
 }
+
+H100_BF16_FLOPS = PRECISIONS["bf16"].peak_flops("H100")  # dense, dtl.precision
 
 
 @dataclass
@@ -96,7 +98,7 @@ def evaluate(
     dp_in_node = t * d <= per_node  # the dp group's ranks are t apart (TP innermost)
     pp_in_node = lay.world // p < per_node
     link = lambda inside: (NVLINK_H100_GBS if inside else IB_NDR_GBS) * GB  # noqa: E731
-    compute = flops_per_token(cfg, s) * tokens / lay.world / (mfu * PEAK_BF16_FLOPS["H100"])
+    compute = flops_per_token(cfg, s) * tokens / lay.world / (mfu * H100_BF16_FLOPS)
     bubble = formulas.bubble(lay, m)
     t_tp, t_pp, t_dp = (
         tp_bytes / link(True),

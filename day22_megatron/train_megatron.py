@@ -50,6 +50,7 @@ from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS, PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
@@ -77,7 +78,7 @@ class Config:
     adam_eps: float = 1e-8  # Adam epsilon (megatron's default)
     adam_beta1: float = 0.9  # Adam's first-moment decay (megatron's default)
     adam_beta2: float = 0.999  # Adam's second-moment decay (megatron's default; GPT-3: 0.95)
-    bf16: bool = False  # bf16 parameters, fp32 main params in the optimizer (GPUs)
+    precision: PrecisionName = "fp32"  # bf16: bf16 parameters, fp32 main params (GPUs)
     seed: int = 0  # model init and batches
     check: bool = True  # rank 0 trains the dtl GPT in one process and compares
     out_dir: str = ""  # empty: outputs/day22_megatron/megatron-tp<t>-pp<p>[-vpp<v>][-sp]-dp<d>
@@ -134,9 +135,12 @@ class Config:
             on_gpu = dtl_dist.planned_backend() == "nccl"
         except dtl_dist.BackendError as e:
             raise err(str(e)) from None
-        if self.bf16 and not on_gpu:
-            raise err("--bf16 is for GPUs here: this run's device is the CPU (gloo); the CPU run "
-                      "checks fp32 against one process")  # fmt: skip
+        if self.precision != "fp32" and not on_gpu:
+            raise err(f"--precision={self.precision} is for GPUs here: this run's device is the "
+                      "CPU (gloo); the CPU run checks fp32 against one process")  # fmt: skip
+        if PRECISIONS[self.precision].loss_scaling:
+            raise err(f"--precision={self.precision} needs megatron's loss scaler, which this "
+                      "course does not wire; use bf16")  # fmt: skip
         name = lay.name(self.sequence_parallel)
         self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"
 
@@ -159,7 +163,8 @@ def build(cfg: Config, grid: ParallelGrid, device) -> mcore.Parts:
         cfg.model_config(), grid, device, optim=cfg.optim, clip_grad=cfg.clip_grad,
         steps=cfg.train_iters, vpp=vpp if vpp > 1 else None,
         sequence_parallel=cfg.sequence_parallel,
-        distributed_optimizer=cfg.use_distributed_optimizer, bf16=cfg.bf16, seed=cfg.seed,
+        distributed_optimizer=cfg.use_distributed_optimizer, seed=cfg.seed,
+        precision=PRECISIONS[cfg.precision],
     )  # fmt: skip
 
 

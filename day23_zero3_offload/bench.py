@@ -4,7 +4,7 @@ CPU (gloo), 2 ranks (a benchmark: the tests run it shrunk on `tiny`):
     torchrun --standalone --nproc_per_node=2 -m day23_zero3_offload.bench --part=templates
     torchrun --standalone --nproc_per_node=2 -m day23_zero3_offload.bench --part=keys
     torchrun --standalone --nproc_per_node=2 -m day23_zero3_offload.bench --part=fit
-GPUs: the same with --nproc_per_node=gpu --model=gpt2-124m --seq_len=512 --bf16.
+GPUs: the same with --nproc_per_node=gpu --model=gpt2-124m --seq_len=512 (fp32, as the templates).
 
 templates  every template (and NVMe with the parameters paged: max_in_cpu 0) on the same model
            and batches: median step time and its ratio to no-offload ZeRO-3, bytes per location

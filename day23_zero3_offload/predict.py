@@ -38,12 +38,14 @@ from day23_zero3_offload.checks import (
     read,
     template_path,
 )
-from dtl.metrics import PEAK_BF16_FLOPS
 from dtl.model import GPT, GPTConfig, flops_per_token
+from dtl.precision import PRECISIONS
 
 GB, MiB = 1e9, 1024**2
 LOCATIONS = ("device", "cpu", "nvme")
 KINDS = ("params", "persistent", "gathered", "grads", "optim", "buffers")
+
+H200_BF16_FLOPS = PRECISIONS["bf16"].peak_flops("H200")  # dense, dtl.precision
 
 
 # --- the prediction --------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
     )
     lines = [head]
     for name, cfg in models.items():
-        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * PEAK_BF16_FLOPS["H200"])
+        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * H200_BF16_FLOPS)
         for t in TEMPLATES:
             ds = read(template_path(t))
             ds["bf16"] = {"enabled": True}

@@ -43,6 +43,7 @@ from dtl.deepspeed import (
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import optimizer_groups
+from dtl.precision import PRECISIONS, PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -56,7 +57,8 @@ class Config:
     seq_len: int = 64  # tokens per sequence
     steps: int = 4  # optimizer steps
     nvme_path: str = ""  # overrides the template's nvme_path (empty: keep it)
-    bf16: bool = False  # bf16 params and grads (GPUs; the CPU check is fp32)
+    # fp32 | bf16 (bf16 params and grads, GPUs; the CPU check is fp32) | fp16 (GPUs, loss scaler)
+    precision: PrecisionName = "fp32"
     check: bool = True  # rank 0 trains the dense model in one process and compares
     ckpt_dir: str = ""  # where engine.save_checkpoint writes (with save_at) / resume reads
     save_at: int = 0  # save after this many steps (0: never), then keep training
@@ -84,8 +86,12 @@ class Config:
         world = dtl_dist.launch_world_size()
         self.skip_reason = ""
         try:
+            device_type = planned_device_type()
+            if PRECISIONS[self.precision].loss_scaling and device_type != "cuda":
+                raise err(f"precision {self.precision} needs a GPU (DeepSpeed refuses fp16 on a "
+                          "CPU, and this run's device is the CPU); use bf16")  # fmt: skip
             # DeepSpeed's accelerator = the run's device, before checks.check imports DeepSpeed
-            use_run_accelerator(planned_device_type())
+            use_run_accelerator(device_type)
             checks.check(self.load_ds_config(), world)
         except checks.MissingLibaio as e:
             self.skip_reason = str(e)  # a SKIP in the tour, not a failure (lessons.toml)
@@ -103,14 +109,14 @@ class Config:
                 raise err(f"--resume: no DeepSpeed checkpoint in {self.ckpt_dir} (no 'latest')")
 
     def load_ds_config(self) -> dict:
-        """The ds_config as this run uses it: --nvme_path and --bf16 applied on a copy."""
+        """The ds_config as this run uses it: --nvme_path and --precision applied on a copy."""
         ds = copy.deepcopy(checks.read(self.ds_path))
         zero = ds.setdefault("zero_optimization", {})
         for section in ("offload_param", "offload_optimizer"):
             if self.nvme_path and (zero.get(section) or {}).get("device") == "nvme":
                 zero[section]["nvme_path"] = self.nvme_path
-        if self.bf16:
-            ds["bf16"] = {"enabled": True}
+        if self.precision != "fp32":  # DeepSpeed's section of the same name as the precision
+            ds[self.precision] = {"enabled": True}
         return ds
 
 

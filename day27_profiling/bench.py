@@ -35,6 +35,7 @@ from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import peak_flops
 from dtl.model import GPT, PresetName, loss_fn, preset
+from dtl.precision import PRECISIONS, Precision
 from dtl.registry import child_env
 
 TRACES_BACKEND = "gloo"  # part=traces: the backend of the profiled runs, on any machine
@@ -53,7 +54,8 @@ class Config:
     batch_size: int = 4  # part=mfu: sequences per step
     seq_len: int = 128  # part=mfu: tokens per sequence
     steps: int = 4  # part=mfu: timed steps (after one warm-up)
-    dtype: str = "auto"  # part=mfu: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    # part=mfu: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (dtl.precision's rows)
+    precision: Literal[("auto", *PRECISIONS)] = "auto"
     runs: str = "ddp_naive,ddp_bucket,pp_1f1b"  # part=traces: which of RUNS
     out_dir: str = "outputs/day27_profiling"  # traces/<run>/rank<R>.json, PNGs
 
@@ -69,19 +71,18 @@ class Config:
 # --- part mfu ---------------------------------------------------------------------------------
 
 
-def _dtype(cfg: Config, device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+def _precision(cfg: Config, device) -> Precision:
+    if cfg.precision == "auto":
+        return PRECISIONS["bf16" if device.type == "cuda" else "fp32"]
+    return PRECISIONS[cfg.precision]
 
 
-def measure_step(cfg: Config, device, dtype) -> float:
+def measure_step(cfg: Config, device, precision: Precision) -> float:
     """Tokens per second of the model's training step (forward, backward, AdamW)."""
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     model = GPT(mcfg, seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     times = []
     for step in range(cfg.steps + 1):
         x, y = get_batch(corpus.train, cfg.seq_len, cfg.batch_size, seed=0, step=step)
@@ -89,7 +90,7 @@ def measure_step(cfg: Config, device, dtype) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with autocast:
+        with precision.autocast(device.type):
             loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
@@ -113,7 +114,8 @@ def run_device() -> torch.device:
 
 def part_mfu(cfg: Config) -> str:
     device = run_device()
-    dtype = _dtype(cfg, device)
+    precision = _precision(cfg, device)
+    dtype = precision.dtype
     gpt2 = preset("gpt2-124m")
     print("FLOPs per token, GPT-2 124M at T = 1024 (ratio to the PaLM/nanoGPT convention):")
     for name, value, ratio in mfu.table(gpt2, 1024):
@@ -144,10 +146,10 @@ def part_mfu(cfg: Config) -> str:
         f"ceiling at the step's shapes ({dtype}, {device.type}): "
         f"{ceil['ceiling'] / 1e9:.1f} GFLOP/s; one square matmul {square / 1e9:.1f} GFLOP/s"
     )
-    tok_s = measure_step(cfg, device, dtype)
+    tok_s = measure_step(cfg, device, precision)
     achieved = formula * tok_s
     ours = mfu.mfu(formula, tok_s, ceil["ceiling"])
-    peak = peak_flops(device)
+    peak = peak_flops(device, precision.name)
     vs_peak = (
         f"; vs datasheet {mfu.mfu(formula, tok_s, peak):.1%}"
         if peak

@@ -4,7 +4,7 @@ the run has (one process).
 
 CPU:  torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.ablation
 GPU:  torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.ablation --model=gpt2-124m \\
-          --seq_len=1024 --batch_size=8 --bf16
+          --seq_len=1024 --batch_size=8 --precision=bf16
 
     attention  written out (dtl.model.naive_attention: the (T, T) scores materialized, softmax,
                then V) vs F.scaled_dot_product_attention (fused; FlashAttention on a GPU)
@@ -33,6 +33,7 @@ from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
+from dtl.precision import PrecisionName
 
 # the CPU default: a small GPT at a long sequence (512 tokens, 128 wide), where attention is a
 # large share of the step; `small` at 128 tokens spends it in its 50,304-word head instead
@@ -59,7 +60,7 @@ class Config:
     batch_size: int = 4  # sequences per step
     steps: int = 6  # timed steps per variant (plus one warm-up)
     only: str = ""  # comma-separated groups to run (attention, AdamW, compile); empty: all
-    bf16: bool = False  # bf16 autocast (GPUs)
+    precision: PrecisionName = "fp32"  # autocast to it (GPUs; fp32 on a CPU)
     out_dir: str = "outputs/day28_gpt125m/ablation"  # ablation.csv
 
     def validate(self) -> None:
@@ -81,7 +82,7 @@ def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
     gpt = GPT(MODELS[cfg.model], seed=0).to(device)
     if attention == "naive":
         gpt.set_attention(naive_attention)
-    r = Recipe(bf16=cfg.bf16)
+    r = Recipe(precision=cfg.precision)
     fused, foreach = OPTIMIZER_MODES[opt_mode]
     opt = make_adamw(gpt, r, fused=fused, foreach=foreach)
     model = torch.compile(gpt) if compiled else gpt

@@ -6,7 +6,7 @@ datasheet peak and day 27's measured matmul ceiling.
     torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.bench_mfu --compile=false
 
 MFU = 6N + 12·L·H·Q·T FLOPs per token (PaLM appendix B; nanoGPT's estimate_mfu, full attention)
-x tokens/s / the dense bf16 peak (dtl.metrics.PEAK_BF16_FLOPS: H100/H200 SXM 989 TFLOP/s).
+x tokens/s / the dense bf16 peak (dtl.precision's table: H100/H200 SXM 989 TFLOP/s).
 Targets from REFERENCES.md: llm.c's GPT-2 124M run works out to ~56% on 8 x A100; MPT-125M in
 llm-foundry reports 44.8%. The script needs a CUDA GPU: on a CPU it prints a `skipped:` line (the
 tour shows SKIP); day 27's bench measures a CPU's MFU against its own ceiling instead.
@@ -58,7 +58,7 @@ def tokens_per_s(cfg: Config, b: int, tokens, device) -> float | None:
     opt = make_adamw(gpt, Recipe(), fused=True)
     model = torch.compile(gpt) if cfg.compile else gpt
     try:  # 3 warm-up steps: allocation, kernel selection, compilation
-        times, _ = timed_steps(model, opt, Recipe(bf16=True), tokens, cfg.seq_len, b,
+        times, _ = timed_steps(model, opt, Recipe(precision="bf16"), tokens, cfg.seq_len, b,
                                steps=cfg.steps, warmup=3)  # fmt: skip
     except torch.cuda.OutOfMemoryError:
         return None
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = load_corpus(tokenizer="auto").train
     torch.backends.cuda.matmul.allow_tf32 = True
     fpt = flops_per_token(mcfg, cfg.seq_len)  # nanoGPT: full attention
-    peak = peak_flops(info.device)
+    peak = peak_flops(info.device, "bf16")
     results = {}
     for b in (int(v) for v in cfg.micro_batches.split(",")):
         results[b] = tokens_per_s(cfg, b, tokens, info.device)

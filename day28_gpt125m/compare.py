@@ -33,8 +33,8 @@ from day22_megatron import plan
 from day28_gpt125m import fit
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
-from dtl.metrics import PEAK_BF16_FLOPS
 from dtl.model import PRESETS, GPTConfig, flops_per_token, num_params, preset
+from dtl.precision import PRECISIONS
 
 GB = 1e9
 MODELS = {
@@ -45,6 +45,8 @@ MODELS = {
 }
 # tokens per step and micro-batch, as the papers trained them: GPT-3 0.5M and 1M, Llama 2 4M
 BATCH = {"gpt3-125m": (524_288, 8), "gpt3-1.3b": (1_048_576, 4), "gpt-6.6b": (4_194_304, 1)}
+
+H100_BF16_FLOPS = PRECISIONS["bf16"].peak_flops("H100")  # dense, dtl.precision
 
 
 @dataclass
@@ -68,10 +70,10 @@ class Config:
 def zero3_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float) -> dict:
     tokens, b = BATCH[name]
     psi, s = num_params(cfg), cfg.block_size
-    mem = fit.predicted_bytes(cfg, "zero3", world=gpus, micro=b, seq_len=s, bf16=True)
+    mem = fit.predicted_bytes(cfg, "zero3", world=gpus, micro=b, seq_len=s, precision="bf16")
     comm = 2 * 2 * psi * (gpus - 1) / gpus
     link = (NVLINK_H100_GBS if gpus <= per_node else IB_NDR_GBS) * GB
-    compute = flops_per_token(cfg, s) * tokens / gpus / (mfu * PEAK_BF16_FLOPS["H100"])
+    compute = flops_per_token(cfg, s) * tokens / gpus / (mfu * H100_BF16_FLOPS)
     step = compute + max(0.0, comm / link - compute)
     return dict(
         strategy="zero3", layout=f"dp{gpus}", memory_gb=mem["total"] / GB,

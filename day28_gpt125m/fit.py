@@ -58,14 +58,14 @@ def device_bytes(local_world: int) -> float:
 
 
 def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1, micro: int = 1,
-                    seq_len: int = 1024, bf16: bool = False) -> dict[str, float]:  # fmt: skip
+                    seq_len: int = 1024, precision: str = "fp32") -> dict[str, float]:  # fmt: skip
     """Per-rank bytes of `strategy`: resident state, gathered parameters, activations, and the
     states and total they add up to. `cfg`: a GPTConfig, or anything with model_config()."""
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
     kind = REGISTRY[strategy]  # each strategy predicts its own state (strategies.py)
-    resident, gathered = kind.predicted_state(m, world=world, tp=tp, pp=pp, bf16=bf16)
+    resident, gathered = kind.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)
     t = tp if kind.model_parallel else 1
-    acts = formulas.activation_bytes(m, seq_len, micro, t, bf16)  # day 22's count
+    acts = formulas.activation_bytes(m, seq_len, micro, t, precision)  # day 22's count
     states = resident + gathered
     return dict(resident=resident, gathered=gathered, states=states, activations=acts,
                 total=states + acts)  # fmt: skip
@@ -74,13 +74,13 @@ def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1,
 def check(cfg) -> None:
     """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
     have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
-    kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len, bf16=cfg.bf16)
-    own = dict(kw, bf16=cfg.bf16 and REGISTRY[cfg.strategy].bf16)  # others run fp32
+    kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
+    own = dict(kw, precision=REGISTRY[cfg.strategy].runs_in(cfg.precision))
     need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)
     if need["total"] <= have:
         return
     others = {
-        s: predicted_bytes(cfg, s, **kw)["total"]
+        s: predicted_bytes(cfg, s, **kw, precision=kind.runs_in(cfg.precision))["total"]
         for s, kind in REGISTRY.items()
         if kind.suggested_when_short and s != cfg.strategy
     }

@@ -2,7 +2,7 @@
 
     lr = lr_at(step, Recipe())                  # linear warm-up, cosine decay to min_lr
     opt = make_adamw(params_or_groups, r)       # decay on matrices, fused where it exists
-    with autocast(r, device): loss = ...        # bf16 on GPUs, fp32 on a CPU
+    with autocast(r, device): loss = ...        # r.precision on GPUs, fp32 on a CPU
     text = generate(model, tokenizer, "ROMEO:", 40)
 
 The numbers are GPT-3 Small's and llm.c's GPT-2 124M run (Brown et al. 2020, Table 2.1;
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dtl.optim import OptimConfig, warmup_cosine
+from dtl.precision import PRECISIONS
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Recipe:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     clip: float = 1.0  # global gradient-norm clip (0: off)
-    bf16: bool = False  # autocast to bf16 (GPUs); the CPU checks run in fp32
+    precision: str = "fp32"  # a dtl.precision row: autocast to it (GPUs); the CPU checks run fp32
 
     @property
     def optim(self) -> OptimConfig:
@@ -64,9 +65,9 @@ def make_adamw(
 
 
 def autocast(r: Recipe, device: torch.device):
-    """bf16 autocast on a GPU when the recipe asks for it; a no-op otherwise."""
-    if r.bf16 and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """Autocast to the recipe's precision on a GPU (dtl.precision); a no-op otherwise."""
+    if device.type == "cuda":
+        return PRECISIONS[r.precision].autocast("cuda")
     return contextlib.nullcontext()
 
 

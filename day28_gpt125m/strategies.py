@@ -13,7 +13,7 @@
     tp_pp     our stack (day 22): apply_tp -> apply_pp, DP by average_gradients; torch AdamW
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
 
-Each strategy is a class in REGISTRY that says what it supports (model parallelism, --bf16,
+Each strategy is a class in REGISTRY that says what it supports (model parallelism, --precision,
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it): adding one is
 a class here with @register, and the config, the fit check and the tests take it from there.
 
@@ -39,6 +39,7 @@ from day28_gpt125m.strategy import REGISTRY, Strategy, register
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
+from dtl.precision import PRECISIONS
 from dtl.state import KINDS as STATE_KINDS
 from dtl.state import StateBytes, live_state_bytes
 
@@ -46,7 +47,8 @@ from dtl.state import StateBytes, live_state_bytes
 class TorchData(Strategy):
     """DDP or FSDP2 on the whole GPT: torch's own data parallelism."""
 
-    bf16 = compile = True
+    precisions = ("fp32", "bf16")  # bf16: autocast (fp16 would need a GradScaler: not wired)
+    compile = True
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, seed: int, **_):
         self.r, self.device = r, device
@@ -128,7 +130,7 @@ class DDP(TorchData):
     name = "ddp"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         return 16 * num_params(m), 0.0  # 4 param + 4 grad + 8 Adam, on every rank (day 18)
 
 
@@ -138,7 +140,7 @@ class FSDP2(TorchData):
     suggested_when_short = True
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         from day19_tp.formulas import block_params
 
         return 16 * num_params(m) / world, 4 * block_params(m, 1)  # + the largest block, full
@@ -149,20 +151,21 @@ class DeepSpeedZero(Strategy):
     by the kit (dtl.deepspeed.check_sections) before any collective."""
 
     stage = 0
-    bf16 = suggested_when_short = True
+    precisions = ("fp32", "bf16")  # DeepSpeed's bf16 section (fp16's loss scaler: not wired)
+    suggested_when_short = True
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         # day 18's table: DeepSpeed keeps an fp32 master beside fp32 parameters too
         from day18_zero import formulas
 
-        precision = formulas.PRECISIONS["mixed" if bf16 else "fp32+master"]
+        held = PRECISIONS[precision].with_fp32_master()
         psi = num_params(m)
-        resident = formulas.model_state_bytes(psi, world, cls.stage, precision).total
-        return resident, cls.gathered(psi, bf16)
+        resident = formulas.model_state_bytes(psi, world, cls.stage, held).total
+        return resident, cls.gathered(psi, precision)
 
     @classmethod
-    def gathered(cls, psi: int, bf16: bool) -> float:
+    def gathered(cls, psi: int, precision: str) -> float:
         return 0.0  # stages 1 and 2 keep every parameter whole: nothing more to gather
 
     def zero_section(self) -> dict:
@@ -182,7 +185,7 @@ class DeepSpeedZero(Strategy):
             "gradient_accumulation_steps": accum,
             "optimizer": {"type": "AdamW", "params": adamw},
             "gradient_clipping": r.clip,
-            "bf16": {"enabled": r.bf16},
+            "bf16": {"enabled": r.precision == "bf16"},
             "zero_optimization": self.zero_section(),
             "steps_per_print": 10**9,
         }  # fmt: skip
@@ -238,8 +241,9 @@ class ZeRO3(DeepSpeedZero):
     stage = 3
 
     @classmethod
-    def gathered(cls, psi, bf16):
-        return (2 if bf16 else 4) * psi  # every parameter, full, while a step runs (day 23)
+    def gathered(cls, psi, precision):
+        # every parameter, full, while a step runs (day 23)
+        return PRECISIONS[precision].param * psi
 
     def zero_section(self) -> dict:
         return {"stage": 3, "stage3_param_persistence_threshold": 0}
@@ -269,7 +273,7 @@ class OurTPPP(Strategy):
     model_parallel = True
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         return _fullest_stage(m, world, tp, pp, distopt=False), 0.0
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
@@ -339,7 +343,7 @@ class Megatron(Strategy):
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, bf16=False):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         # its DistributedOptimizer shards Adam's m and v (and the fp32 grads) over dp
         return _fullest_stage(m, world, tp, pp, distopt=True), 0.0
 
@@ -387,7 +391,8 @@ def _untied(state: dict, cfg: GPTConfig) -> dict:
 
 STRATEGIES = tuple(REGISTRY)  # what --strategy takes
 MODEL_PARALLEL = tuple(n for n, c in REGISTRY.items() if c.model_parallel)  # take --tp, --pp
-BF16 = tuple(n for n, c in REGISTRY.items() if c.bf16)  # apply --bf16
+# --precision=p is applied by APPLIES[p]; the others run fp32
+APPLIES = {p: tuple(n for n, c in REGISTRY.items() if p in c.precisions) for p in PRECISIONS}
 COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.compile
 
 

@@ -1,6 +1,6 @@
 """Day 28: the interface every strategy fills in, and the registry that lists them.
 
-A strategy is a class with a name, what it supports (model parallelism, --bf16, --compile,
+A strategy is a class with a name, what it supports (model parallelism, --precision, --compile,
 checkpoints), its predicted per-rank model state (fit.py asks it), how it is built from the
 recipe and the grid, and one optimizer step. strategies.py holds the course's strategies; a new
 one is a class there with @register, and train.py's --strategy, fit.py and the tests take it
@@ -27,7 +27,8 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 class Strategy:
     name = ""
     model_parallel = False  # takes --tp and --pp (tp x pp x dp ranks); else pure data parallel
-    bf16 = False  # applies --bf16 (autocast, or DeepSpeed's bf16); else runs fp32 regardless
+    # the --precision values it applies (autocast, or DeepSpeed's section); it runs any other fp32
+    precisions: tuple[str, ...] = ("fp32",)
     compile = False  # --compile wraps its model in torch.compile
     measures_state = True  # counts this rank's model-state bytes at the last step
     suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
@@ -43,10 +44,15 @@ class Strategy:
 
     @classmethod
     def predicted_state(cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1,
-                        bf16: bool = False) -> tuple[float, float]:  # fmt: skip
+                        precision: str = "fp32") -> tuple[float, float]:  # fmt: skip
         """(resident, gathered) model-state bytes per rank: the partitions a rank keeps, and
         what it holds full while a step runs (fit.py's table)."""
         raise NotImplementedError
+
+    @classmethod
+    def runs_in(cls, precision: str) -> str:
+        """The precision it trains in when asked for `precision`: that one, or fp32."""
+        return precision if precision in cls.precisions else "fp32"
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         """One optimizer step over this DP rank's micro-batches; returns (the mean loss where

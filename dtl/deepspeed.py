@@ -230,7 +230,7 @@ def load_ds_config(
     grad_accum: int,
     world_size: int,
     opt: OptimConfig,
-    dtype: str,
+    precision: str,
     device_type: str,
 ) -> dict:
     """Read, check and complete a ds_config for a run on `device_type`; raises DsConfigError
@@ -251,8 +251,10 @@ def load_ds_config(
     _resolve(ds, ("zero_optimization", "stage"), stage, "--stage")
     for name, value in opt.deepspeed_params().items():
         _resolve(ds, ("optimizer", "params", name), value, f"--{name}")
-    _resolve(ds, ("bf16", "enabled"), dtype == "bf16", "--dtype")
-    check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
     if ds.get("fp16", {}).get("enabled") is True and device_type == "cpu":
         raise DsConfigError("ds_config enables fp16, which DeepSpeed refuses on a CPU; use bf16")
+    for section in ("bf16", "fp16"):  # DeepSpeed's sections, named as dtl.precision's rows
+        if section in ds or section == precision:
+            _resolve(ds, (section, "enabled"), section == precision, "--precision")
+    check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
     return ds

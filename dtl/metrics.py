@@ -1,4 +1,4 @@
-"""One stable log line per step, TensorBoard scalars, MFU against a sourced peak table.
+"""One stable log line per step, TensorBoard scalars, MFU against the peak of dtl.precision's table.
 
     step 12/100 | loss 3.2145 | lr 6.0e-04 | grad_norm 0.91 | 120 ms | 8,533 tok/s | mfu 41.2%
 
@@ -15,30 +15,19 @@ import sys
 import torch
 
 from dtl.dist import get_rank
+from dtl.precision import PRECISIONS
 from dtl.profile import StepTimes
 
-# Dense BF16 tensor-core peaks per GPU, FLOP/s (vendor datasheets; never the 2:4-sparse figure).
-# Order matters: the first name found in torch.cuda.get_device_name() wins.
-PEAK_BF16_FLOPS = {
-    "H100 PCIe": 756e12,  # NVIDIA H100 datasheet
-    "H100 NVL": 835e12,  # H100 NVL (per GPU)
-    "H100": 989e12,  # H100 SXM5
-    "H200 NVL": 835e12,  # H200 NVL (PCIe card, lower power): 1,671 sparse = 835 dense
-    "H200": 989e12,  # same compute die as H100 SXM
-    "B200": 2250e12,  # NVIDIA DGX B200 datasheet, per GPU
-    "A100": 312e12,  # NVIDIA A100 datasheet
-}
 
-
-def peak_flops(device: torch.device | str | None = None) -> float | None:
-    """Peak dense BF16 FLOP/s of `device`; None where unknown (CPUs). DTL_PEAK_TFLOPS overrides."""
+def peak_flops(device: torch.device | str | None = None, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of `device` computing in `precision` (dtl.precision's table); None where
+    the table has none (CPUs, an unlisted GPU). DTL_PEAK_TFLOPS overrides."""
     if os.environ.get("DTL_PEAK_TFLOPS"):
         return float(os.environ["DTL_PEAK_TFLOPS"]) * 1e12
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return PRECISIONS[precision].peak_flops(torch.cuda.get_device_name(device))
 
 
 def mfu(

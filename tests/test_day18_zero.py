@@ -27,6 +27,7 @@ from dtl.deepspeed import DsConfigError, load_ds_config
 from dtl.dist import all_reduce_scalar
 from dtl.model import GPT, preset
 from dtl.optim import OptimConfig
+from dtl.precision import PRECISIONS, Precision
 from dtl.reference import reference_train
 from dtl.testing import run_distributed, script_error
 
@@ -96,7 +97,7 @@ def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", pref
             grad_accum=micro,
             world_size=world,
             opt=OPT,
-            dtype=dtype,
+            precision=dtype,
             device_type="cpu",
         )
     t = engines.build(
@@ -271,8 +272,8 @@ def _psi():
     return sum(p.numel() for p in make_model("gpt").parameters())
 
 
-def assert_bytes_match(got, stage, world, precision):
-    want = formulas.model_state_bytes(_psi(), world, stage, formulas.PRECISIONS[precision])
+def assert_bytes_match(got, stage, world, precision: Precision):
+    want = formulas.model_state_bytes(_psi(), world, stage, precision)
     for kind in ("params", "grads", "optim"):
         expected = getattr(want, kind)
         assert abs(got[kind] - expected) <= 0.01 * expected, (stage, precision, kind, got)
@@ -282,24 +283,27 @@ def test_hand_state_bytes_per_rank_equal_the_formula_within_1_percent(hand):
     world, ranks = hand
     for res in ranks:
         for stage in (1, 2, 3):
-            assert_bytes_match(res[("gpt", stage, 1, True)]["bytes"], stage, world, "fp32")
+            assert_bytes_match(
+                res[("gpt", stage, 1, True)]["bytes"], stage, world, PRECISIONS["fp32"]
+            )
             if world == 2:
-                assert_bytes_match(res[(f"bf16-{stage}",)]["bytes"], stage, world, "mixed")
+                assert_bytes_match(
+                    res[(f"bf16-{stage}",)]["bytes"], stage, world, PRECISIONS["bf16"]
+                )
 
 
 def test_deepspeed_state_bytes_from_its_partitions_equal_the_formula_within_1_percent(library):
     """fp32: DeepSpeed keeps an fp32 master partition beside fp32 params (4 + 4 + 12 B/param);
     bf16: the paper's 2 + 2 + 12. Its stage 1 keeps only a gradient partition, like stage 2."""
     world, ranks = library
+    fp32_master = PRECISIONS["fp32"].with_fp32_master()  # 4 + 4 + 12
     for res in ranks:
         for stage in (1, 2, 3):
             formula_stage = 2 if stage == 1 else stage
-            assert_bytes_match(
-                res[(f"ds-{stage}", 1)]["bytes"], formula_stage, world, "fp32+master"
-            )
+            assert_bytes_match(res[(f"ds-{stage}", 1)]["bytes"], formula_stage, world, fp32_master)
             if world == 2:
                 assert_bytes_match(
-                    res[(f"ds-{stage}", "bf16")]["bytes"], formula_stage, world, "mixed"
+                    res[(f"ds-{stage}", "bf16")]["bytes"], formula_stage, world, PRECISIONS["bf16"]
                 )
 
 
@@ -385,7 +389,7 @@ def _checkpoint_round_trip(stage, ckpt_dir):
         grad_accum=1,
         world_size=world,
         opt=OPT,
-        dtype="fp32",
+        precision="fp32",
         device_type="cpu",
     )
     t = engines.build("deepspeed", stage, make_model("gpt"), None, OPT, ds_config=ds)
@@ -433,7 +437,7 @@ def test_the_papers_7_5b_example_and_the_stage_formulas():
     got = formulas.paper_example()
     for stage, paper_gb in formulas.PAPER_GB.items():
         assert round(got[stage], 1) == paper_gb
-    mixed = formulas.PRECISIONS["mixed"]
+    mixed = PRECISIONS["bf16"]
     assert formulas.model_state_bytes(1, 4, 1, mixed).total == 4 + 12 / 4
     assert formulas.model_state_bytes(1, 4, 2, mixed).total == 2 + 14 / 4
     assert formulas.model_state_bytes(1, 4, 3, mixed).total == 16 / 4
@@ -465,7 +469,7 @@ def _load(path, world=2):
         grad_accum=2,
         world_size=world,
         opt=OPT,
-        dtype="fp32",
+        precision="fp32",
         device_type="cpu",
     )
 
@@ -520,8 +524,8 @@ def test_hand_zero_rejects_an_unknown_stage_before_any_collective():
     [
         (["--stage=4"], "unknown ZeRO stage 4"),
         (["--impl=fsdp"], "unknown impl 'fsdp'"),
-        (["--dtype=fp16"], "dtype fp16 needs a GPU"),
-        (["--impl=torch", "--dtype=bf16"], "dtype bf16 runs with impl=hand stages 1-3"),
+        (["--precision=fp16"], "precision fp16 needs a GPU"),
+        (["--impl=torch", "--precision=bf16"], "precision bf16 runs with impl=hand stages 1-3"),
         (["--impl=deepspeed", "--grad_accum=2", "--ds_config=BAD"], "ds_config file not found"),
     ],
 )

@@ -336,6 +336,8 @@ VPP = "--num-layers-per-virtual-pipeline-stage"
         ),
         (train_4d, ["--pp=2", "--cp=2"], "this stack runs CP and SP without PP only"),
         (train_4d, ["--chunks=2"], "--chunks=2 needs --pp >= 2"),
+        (train_megatron, ["--precision=bf16"], "--precision=bf16 is for GPUs here"),
+        (train_megatron, ["--precision=fp8"], "unknown precision 'fp8'"),
         (train_4d, ["--tp=2", "--seq_len=64"], "seq_length 64 exceeds the model's 32 positions"),
     ],
 )

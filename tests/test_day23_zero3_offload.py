@@ -308,6 +308,13 @@ def test_train_script_stops_on_a_bad_config_with_one_line(tmp_path):
     assert "train_batch_size 3 != micro-batch 2 x accumulation 1 x world 2 = 4" in line
 
 
+def test_fp16_on_a_cpu_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(dtl_config.ConfigError) as err:
+        dtl_config.load(train.Config, ["--precision=fp16"])
+    assert "precision fp16 needs a GPU" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(dtl_config.ConfigError, match="no DeepSpeed checkpoint in"):

@@ -152,6 +152,7 @@ def test_a_registered_line_gets_the_wrapper_before_its_module():
         (bench.Config, ["--part=flops"], "unknown part 'flops'"),
         (bench.Config, ["--runs=ddp_magic"], "unknown run 'ddp_magic'"),
         (bench.Config, ["--seq_len=4096"], "exceeds small's block_size"),
+        (bench.Config, ["--precision=fp64"], "unknown precision 'fp64'"),
     ],
 )
 def test_bad_input_is_one_line(cls, args, message):

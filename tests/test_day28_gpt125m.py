@@ -179,6 +179,7 @@ def test_the_schedule_warms_up_linearly_then_decays_to_min_lr():
         (["--global_batch_size=6"], "4", "global batch 6 is not divisible by micro-batch 2 x dp 4"),
         (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp and megatron, not ddp"),
         (["--strategy=pipe"], "2", "unknown strategy 'pipe'"),
+        (["--precision=fp16"], "2", "--precision=fp16 is applied by no strategy here"),
     ],
 )
 def test_bad_input_is_one_line(args, world, message, monkeypatch, tmp_path):
