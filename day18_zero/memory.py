@@ -197,7 +197,7 @@ def deepspeed_estimates(gpt: torch.nn.Module, psi: int) -> None:
 
 def paper_line() -> str:
     got = formulas.paper_example()
-    return "paper example (Ψ = 7.5B, N = 64, bf16): " + ", ".join(
+    return "paper example (Ψ = 7.5B, N = 64, mixed): " + ", ".join(
         f"stage {s} {got[s]:.1f} GB (paper: {formulas.PAPER_GB[s]})" for s in formulas.STAGES_ALL
     )
 
