@@ -34,15 +34,21 @@ class StateBytes:
         return self.params + self.grads + self.optim
 
 
-def model_state_bytes(psi: float, n: int, stage: int, precision: Precision) -> StateBytes:
-    """Bytes per rank of parameters, gradients and optimizer state under ZeRO stage `stage`."""
+def model_state_bytes(
+    psi: float, n: int, stage: int, precision: Precision, padded: float | None = None
+) -> StateBytes:
+    """Bytes per rank of parameters, gradients and optimizer state under ZeRO stage `stage`.
+
+    `padded`: the elements an implementation shards, Ψ rounded up so that every flat buffer
+    splits into N equal slices (hand ZeRO pads each bucket to a multiple of N): a sharded kind
+    holds padded / N of them, a replicated one the Ψ real ones. None: the paper's Ψ / N."""
     if stage not in STAGES_ALL:
         raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of 0, 1, 2, 3")
-    p, g, k = precision.param * psi, precision.grad * psi, precision.optim * psi
+    shard = (psi if padded is None else padded) / n  # elements in this rank's slice
     return StateBytes(
-        params=p / n if stage >= 3 else p,
-        grads=g / n if stage >= 2 else g,
-        optim=k / n if stage >= 1 else k,
+        params=precision.param * (shard if stage >= 3 else psi),
+        grads=precision.grad * (shard if stage >= 2 else psi),
+        optim=precision.optim * (shard if stage >= 1 else psi),
     )
 
 

@@ -59,9 +59,10 @@ def measured_sizes(world: int) -> list[int]:
     return sizes
 
 
-def measure(cfg: Config, stage: int, dtype: torch.dtype, group, device) -> dict[str, int]:
+def measure(cfg: Config, stage: int, dtype: torch.dtype, group, device) -> tuple[dict, int]:
     """Two hand-ZeRO steps on `group`; this rank's state bytes before the second step's update
-    (the optimizer state exists from the first step on)."""
+    (the optimizer state exists from the first step on), and the elements it shards (Ψ padded
+    so that every bucket splits into equal slices)."""
     gpt = GPT(preset(cfg.model), seed=0).to(device=device, dtype=dtype)
     trainer = engines.HandZero(gpt, max(stage, 1), group, OptimConfig(), no_sync=True)
     vocab = preset(cfg.model).vocab_size
@@ -69,11 +70,11 @@ def measure(cfg: Config, stage: int, dtype: torch.dtype, group, device) -> dict[
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len + 1), generator=g).to(device)
         trainer.step([(x[:, :-1], x[:, 1:])])
-    return trainer.bytes_before_step
+    return trainer.bytes_before_step, trainer.padded_numel()
 
 
-def measure_all(cfg: Config, info) -> dict[tuple, dict[str, int]]:
-    """(precision, stage, N) -> bytes on rank 0, for every N that fits in the world."""
+def measure_all(cfg: Config, info) -> dict[tuple, tuple[dict, int]]:
+    """(precision, stage, N) -> (bytes, padded Ψ) on rank 0, for every N that fits the world."""
     out = {}
     for n in measured_sizes(info.world_size):
         group = dist.new_group(list(range(n)))  # every rank takes part in creating it
@@ -95,8 +96,9 @@ def table(psi: int, measured: dict, world: int) -> list[dict]:
         p = PRECISIONS[prec]
         for stage in formulas.STAGES_ALL:
             for n in (*measured_sizes(world), *FORMULA_NS):
-                want = formulas.model_state_bytes(psi, n, stage, p)
-                got = measured.get((prec, stage, n))
+                got, padded = measured.get((prec, stage, n), (None, None))
+                # measured: the formula at the Ψ it padded to (to the byte); else the paper's
+                want = formulas.model_state_bytes(psi, n, stage, p, padded=padded)
                 rows.append(
                     dict(
                         precision=prec,
@@ -135,11 +137,12 @@ def print_table(rows: list[dict], psi: int) -> float:
             else:
                 err = (r["measured_mb"] - r["formula_mb"]) / r["formula_mb"]
                 worst = max(worst, abs(err))
+                exact = r["measured_mb"] == r["formula_mb"]
                 cells = (
                     f"{r['params_mb']:>10.3f}{r['grads_mb']:>10.3f}{r['optim_mb']:>10.3f}"
                     f"{r['measured_mb']:>11.3f}"
                 )
-                diff = f"{err:+.2%}"
+                diff = "exact" if exact else f"{err:+.2%}"
             print(f"{r['stage']:<7}{r['N']:>6}{cells}{r['formula_mb']:>11.3f}{diff:>9}", flush=True)
     return worst
 

@@ -223,7 +223,9 @@ def report(cfg: Config, info, result: dict) -> bool:
     n = info.world_size
     psi = _distinct_numel(result["params"])
     prec = t.state_precision(PRECISIONS[cfg.precision])
-    want = formulas.model_state_bytes(psi, n, t.formula_stage(), prec)
+    # hand ZeRO pads each bucket to a multiple of N: its slices hold padded / N elements
+    padded = t.padded_numel() if cfg.impl == "hand" else None
+    want = formulas.model_state_bytes(psi, n, t.formula_stage(), prec, padded=padded)
     got = t.bytes_before_step
     dtl_dist.print0(
         f"{t.label}: Ψ = {psi:,} parameters, N = {n}, precision {prec.name} "

@@ -320,7 +320,9 @@ class ZeroModel(nn.Module):
             for b in self.buckets
             if b.master.data_ptr() != b.param_shard.data_ptr()
         )
-        state = optimizer_state_bytes(self.optimizer)
+        # m and v; AdamW's step counters (one 0-dim tensor per slice, 4 B) are no per-parameter
+        # state, and leaving them out makes the count equal the formula to the byte
+        state = optimizer_state_bytes(self.optimizer, counters=False)
         return StateBytes(params=params, grads=grads, optim=masters + state)
 
     def padded_numel(self) -> int:

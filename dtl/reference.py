@@ -123,14 +123,24 @@ def params_gap(a, b) -> float:
     return max((sa[k].detach().double() - sb[k].detach().double()).abs().max().item() for k in sa)
 
 
+# The tolerances every check states. Losses and gradient norms agree to a relative 1e-5 in fp32:
+# the runs add the same numbers in another order. Parameters after AdamW are judged absolutely:
+# Adam divides by sqrt(v), so an element whose gradient is rounding noise moves by up to lr in
+# either run; PARAMS_ATOL is 10% of one step at lr 1e-3, and a run that states another says why.
+LOSS_RTOL = 1e-5
+PARAMS_ATOL = 1e-4
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A parallel run against its one-process reference: the numbers, and the line notes quote.
 
-    ok          the losses agree within rtol (and the gradient norms, where both runs gave them)
-    loss_rel    max relative difference of the per-step losses
-    params_gap  max |difference| of the parameters after the last step
-    norm_rel    max relative difference of the per-step gradient norms (None: not compared)
+    ok          every judged figure within its tolerance, and as many steps on both sides
+    loss_rel    max relative difference of the per-step losses (judged against rtol)
+    params_gap  max |difference| of the parameters after the last step (judged against atol)
+    norm_rel    max relative difference of the per-step gradient norms, judged against rtol
+                where both runs gave them (None: not compared)
+    counts      "" when both runs gave `steps` losses (and norms); else what was missing
     skipped     why no comparison ran ("" when one did); such a verdict is ok, and its line says why
     """
 
@@ -142,6 +152,8 @@ class Verdict:
     what: str = "one process"
     optimizer: str = "AdamW"
     norm_rel: float | None = None
+    atol: float = PARAMS_ATOL
+    counts: str = ""
     skipped: str = ""
 
     @classmethod
@@ -154,12 +166,17 @@ class Verdict:
     def line(self) -> str:
         if self.skipped:
             return self.skipped
-        tol = f"{self.rtol:.0e}".replace("e-0", "e-")  # 1e-5, as the notes print it
-        norms = "" if self.norm_rel is None else f"grad norms max rel diff {self.norm_rel:.1e}; "
+        short = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731  1e-5, as notes print it
+        norms = (
+            "" if self.norm_rel is None
+            else f"grad norms max rel diff {self.norm_rel:.1e}, rtol {short(self.rtol)}; "
+        )  # fmt: skip
+        counts = f"; {self.counts}" if self.counts else ""
         return (
             f"losses match {self.what} {'yes' if self.ok else 'NO'} (max rel diff "
-            f"{self.loss_rel:.1e}, rtol {tol}; {norms}params max |diff| {self.params_gap:.1e} "
-            f"after {self.steps} {self.optimizer} steps)"
+            f"{self.loss_rel:.1e}, rtol {short(self.rtol)}; {norms}params max |diff| "
+            f"{self.params_gap:.1e}, atol {short(self.atol)}; after {self.steps} "
+            f"{self.optimizer} steps{counts})"
         )
 
     def __str__(self) -> str:
@@ -167,7 +184,17 @@ class Verdict:
 
 
 def _max_rel(a, b) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=0.0)
+
+
+def _count_gaps(steps: int, lengths: dict[str, int]) -> str:
+    """'' when every series has `steps` values; else which do not (zip would hide it).
+    A length of -1: a series not given, not judged."""
+    short = [f"{name} {n}" for name, n in lengths.items() if n >= 0 and n != steps]
+    return f"values per run, {steps} expected: {', '.join(short)}" if short else ""
+
+
+SERIES = ("losses", "reference losses", "grad norms", "reference norms")
 
 
 def reference_verdict(
@@ -178,7 +205,8 @@ def reference_verdict(
     steps: int,
     device,
     what: str = "one process",
-    rtol: float = 1e-5,
+    rtol: float = LOSS_RTOL,
+    atol: float = PARAMS_ATOL,
     optimizer: str = "AdamW",
     grad_norms: list[float] | None = None,
 ) -> Verdict:
@@ -186,24 +214,32 @@ def reference_verdict(
 
     `reference()` runs on rank 0 only and returns (losses, {name: parameter}) of the one-process
     run, or (losses, params, grad_norms) to compare the norms too; `losses`, `params` (name ->
-    full tensor, on rank 0) and `grad_norms` are the parallel run's. The losses (and norms) must
-    agree within `rtol`; the parameters' largest difference is reported. The numbers are
-    broadcast (on `device`: NCCL needs CUDA tensors) so every rank prints and exits alike.
+    full tensor, on rank 0) and `grad_norms` are the parallel run's. Judged: the losses (and the
+    norms, where both runs gave them) within `rtol`, the parameters after the last step within
+    `atol` (the loss of step k sees only the updates before it: the last update shows in the
+    parameters alone), and `steps` values on each side. The numbers are broadcast (on `device`:
+    NCCL needs CUDA tensors) so every rank prints and exits alike.
     """
-    numbers = torch.zeros(4, dtype=torch.float64, device=device)  # loss_rel, gap, norm_rel, ok
+    # loss_rel, params gap, norm_rel, then the four series' lengths (-1: not judged)
+    numbers = torch.zeros(3 + len(SERIES), dtype=torch.float64, device=device)
     if dist.get_rank() == 0:
         ref = reference()
+        ref_norms = ref[2] if len(ref) > 2 else None
+        judged = bool(grad_norms) and ref_norms is not None
+        series = (losses, ref[0], grad_norms if judged else None, ref_norms if judged else None)
         loss_rel = _max_rel(losses, ref[0])
         gap = params_gap({k: v.cpu() for k, v in params.items()}, ref[1])
-        norm_rel = _max_rel(grad_norms, ref[2]) if grad_norms and len(ref) > 2 else -1.0
-        ok = loss_rel <= rtol and norm_rel <= rtol
-        row = [loss_rel, gap, norm_rel, float(ok)]
+        norm_rel = _max_rel(grad_norms, ref_norms) if judged else -1.0
+        row = [loss_rel, gap, norm_rel, *(len(v) if v is not None else -1 for v in series)]
         numbers = torch.tensor(row, dtype=torch.float64, device=device)
-    dist.broadcast(numbers, src=0)  # (4,) float64 from rank 0 -> every rank
-    loss_rel, gap, norm_rel, ok = numbers.tolist()
+    dist.broadcast(numbers, src=0)  # (7,) float64 from rank 0 -> every rank
+    loss_rel, gap, norm_rel, *lengths = numbers.tolist()
+    counts = _count_gaps(steps, {k: int(n) for k, n in zip(SERIES, lengths)})
+    ok = loss_rel <= rtol and gap <= atol and norm_rel <= rtol and not counts
     return Verdict(
-        ok=bool(ok), loss_rel=loss_rel, params_gap=gap, rtol=rtol, steps=steps, what=what,
-        optimizer=optimizer, norm_rel=None if norm_rel < 0 else norm_rel,
+        ok=ok, loss_rel=loss_rel, params_gap=gap, rtol=rtol, steps=steps, what=what,
+        optimizer=optimizer, norm_rel=None if norm_rel < 0 else norm_rel, atol=atol,
+        counts=counts,
     )  # fmt: skip
 
 

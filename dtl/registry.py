@@ -52,6 +52,12 @@ class Run:
     min_gpus: int = 1
     # the GPU line's limit, where it differs: a line sized for 8 GPUs may run on one
     gpu_timeout_s: int | None = None
+    # the GPU line's patterns, where they differ (a GPU config that turns the one-process check
+    # off may print "check skipped"; on the CPU the check must have run): default `expect`
+    gpu_expect: list[str] | None = None
+
+    def patterns(self, gpu: bool) -> list[str]:
+        return self.gpu_expect if gpu and self.gpu_expect is not None else self.expect
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -207,7 +213,7 @@ def execute(
     if code == 124:
         output += f"\n[timed out after {limit} s]"
     seconds = time.monotonic() - start
-    missing = [p for p in run.expect if not re.search(p, output, re.M)]
+    missing = [p for p in run.patterns(gpu) if not re.search(p, output, re.M)]
     return Result(lesson, run, code, seconds, output, missing)
 
 

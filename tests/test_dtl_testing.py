@@ -110,21 +110,35 @@ def _verdicts():
     from dtl.reference import reference_verdict
 
     params = {"w": torch.ones(3)}
-    ref = lambda losses: lambda: (losses, {"w": torch.ones(3) + 1e-3})  # noqa: E731
-    same = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0]), steps=2, device="cpu")
-    off = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0001]), steps=2, device="cpu")
-    return same, off
+    ref = lambda losses, nudge=1e-5: lambda: (losses, {"w": torch.ones(3) + nudge})  # noqa: E731
+    kw = dict(steps=2, device="cpu")
+    same = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0]), **kw)
+    off = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0001]), **kw)
+    drifted = reference_verdict([1.0, 2.0], params, ref([1.0, 2.0], nudge=1e-3), **kw)
+    short = reference_verdict([1.0], params, ref([1.0, 2.0]), **kw)  # a run that stopped early
+    return same, off, drifted, short
 
 
 def test_reference_verdict_says_yes_within_rtol_no_outside_and_the_same_on_every_rank():
     results = run_distributed(_verdicts, world_size=2)
     assert results[0] == results[1]  # rank 1 prints what rank 0 computed
-    same, off = results[0]
+    same, off, _, _ = results[0]
     assert same.ok and not off.ok  # what a script decides with, not a sentence to parse
     assert same.line.startswith("losses match one process yes (max rel diff 0.0e+00, rtol 1e-5;")
-    assert "params max |diff| 1.0e-03 after 2 AdamW steps" in same.line
+    assert "params max |diff| 1.0e-05, atol 1e-4; after 2 AdamW steps)" in same.line
     assert off.line.startswith("losses match one process NO (max rel diff 5.0e-05")
-    assert f"{same}" == same.line and same.params_gap == pytest.approx(1e-3, rel=1e-4)  # fp32
+    assert f"{same}" == same.line and same.params_gap == pytest.approx(1e-5, rel=1e-2)  # fp32
+
+
+def test_reference_verdict_judges_the_parameters_and_the_counts_not_only_the_losses():
+    _, _, drifted, short = run_distributed(_verdicts, world_size=2)[1]  # rank 1: broadcast
+    # equal losses, parameters 1e-3 apart (the last update, which no loss sees): NO
+    assert not drifted.ok and drifted.loss_rel == 0.0 and drifted.params_gap > drifted.atol
+    assert drifted.line.startswith("losses match one process NO")
+    # one loss for two steps: zip would compare one pair and say yes
+    assert not short.ok and short.loss_rel == 0.0
+    assert short.counts == "values per run, 2 expected: losses 1"
+    assert short.line.endswith("after 2 AdamW steps; values per run, 2 expected: losses 1)")
 
 
 def _norm_verdicts():

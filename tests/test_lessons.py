@@ -52,8 +52,18 @@ def test_every_lesson_has_notes_and_launch_lines_that_name_real_modules(lesson):
             assert words[0] == "torchrun" and "--standalone" in words
             module = words[words.index("-m") + 1]
             assert importlib.util.find_spec(module) is not None, module
-        for pattern in run.expect:
+        for pattern in (*run.expect, *(run.gpu_expect or ())):
             re.compile(pattern)
+
+
+def test_no_cpu_pattern_accepts_a_skipped_check():
+    """On the CPU every one-process check runs: a pattern that lets "check skipped" through
+    would pass a script whose check was switched off (only GPU configs may turn it off)."""
+    for _, run in RUNS:
+        for pattern in run.expect:
+            assert "skipped" not in pattern, f"{run.name}: {pattern}"
+        if "check skipped" in " ".join(run.gpu_expect or ()):
+            assert "--config" in run.gpu, f"{run.name}: only a GPU config may skip the check"
 
 
 def test_benchmarks_carry_smoke_args_and_lessons_shrink_only_sizes():
