@@ -255,14 +255,19 @@ class ZeRO3(DeepSpeedZero):
         return StateBytes(*(sum(where[loc][k] for loc in where) for k in STATE_KINDS))
 
 
-def _fullest_stage(m: GPTConfig, world: int, tp: int, pp: int, distopt: bool) -> float:
-    """Day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its layers,
+def _stage_state(m: GPTConfig, world: int, tp: int, pp: int, pp_rank: int, distopt: bool) -> float:
+    """Day 22's formulas.state_bytes of pipeline stage `pp_rank` (the TP shard of its layers,
     the embedding on the first stage, the head on the last)."""
     from day22_megatron import formulas
     from day22_megatron.layouts import Layout
 
     lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
-    return max(sum(formulas.state_bytes(m, lay, r, distopt).values()) for r in range(pp))
+    return sum(formulas.state_bytes(m, lay, pp_rank, distopt).values())
+
+
+def _fullest_stage(m: GPTConfig, world: int, tp: int, pp: int, distopt: bool) -> float:
+    """The stage that holds the most: what every rank must have room for."""
+    return max(_stage_state(m, world, tp, pp, r, distopt) for r in range(pp))
 
 
 @register
@@ -275,6 +280,10 @@ class OurTPPP(Strategy):
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         return _fullest_stage(m, world, tp, pp, distopt=False), 0.0
+
+    @classmethod
+    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, pp_rank=0, precision="fp32"):
+        return _stage_state(m, world, tp, pp, pp_rank, distopt=False)
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, accum: int, seq_len: int, seed: int, **_):  # fmt: skip

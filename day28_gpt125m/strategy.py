@@ -50,6 +50,14 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
+    def predicted_rank_state(cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1,
+                             pp_rank: int = 0, precision: str = "fp32") -> float:  # fmt: skip
+        """The resident model-state bytes of the ranks at pipeline position `pp_rank` (the
+        same on every rank unless the strategy pipelines: then the first stage holds the
+        embedding, the last the head). fit.py sizes by the fullest; the tests check each."""
+        return cls.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)[0]
+
+    @classmethod
     def runs_in(cls, precision: str) -> str:
         """The precision it trains in when asked for `precision`: that one, or fp32."""
         return precision if precision in cls.precisions else "fp32"

@@ -264,16 +264,19 @@ def _eval(cfg: Config, strategy, val, info) -> float | None:
     return evaluate(cfg, full, val, info.device)[0] if info.is_main else None
 
 
-def reference(cfg: Config, train) -> tuple[list[float], dict]:
-    """The one-process run: the same model, recipe, schedule and global batches."""
+def reference(cfg: Config, train) -> tuple[list[float], dict, list[float]]:
+    """The one-process run: the same model, recipe, schedule and global batches; its losses,
+    parameters and gradient norms before clipping (with clipping on, Adam and the clip hide a
+    gradient scaled by any constant from the losses and parameters: the norms show it)."""
     r = cfg.recipe()
+    norms: list[float] = []
     losses, gpt = one_process_gpt(
         cfg.model_config(), train.read(0, len(train)), seq_len=cfg.seq_len,
         rows=cfg.global_batch_size, steps=cfg.steps, seed=cfg.seed, lr=r.lr,
         weight_decay=r.weight_decay, eps=r.eps, betas=r.betas, clip_grad=r.clip or None,
-        lr_at=lambda step: lr_at(step, r),
+        grad_norms=norms, lr_at=lambda step: lr_at(step, r),
     )  # fmt: skip
-    return losses, dict(gpt.named_parameters())
+    return losses, dict(gpt.named_parameters()), norms
 
 
 def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
@@ -294,6 +297,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         verdict = reference_verdict(
             result["losses"], result["full"], lambda: reference(cfg, result["train"]),
             steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",
+            grad_norms=result["norms"],
         )  # fmt: skip
     dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
     if info.is_main:  # what compare.py reads beside its predictions

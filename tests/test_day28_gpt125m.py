@@ -21,13 +21,13 @@ import torch
 
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit, train
-from day28_gpt125m.recipe import Recipe, lr_at
+from day28_gpt125m.recipe import Recipe, lr_at, make_adamw
 from day28_gpt125m.strategies import REGISTRY
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import DataError, get_batch
 from dtl.grid import ParallelGrid
-from dtl.model import num_params, preset
+from dtl.model import GPT, num_params, preset
 from dtl.testing import run_distributed, script_error
 
 pytestmark = pytest.mark.skipif(
@@ -63,28 +63,30 @@ def _runs(tmp, strategies, resumed):
             ckpt = os.path.join(tmp, f"ck-{name}")
             cut = _config(name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
             grid = ParallelGrid(tp=cut.tp, pp=cut.pp, dp=cut.dp)
-            first = train.run(cut, info, grid)["losses"]
+            first = train.run(cut, info, grid)
             r = train.run(_config(name, tmp, resume=True, ckpt_dir=ckpt), info, grid)
-            losses = first + r["losses"]
+            losses, norms = first["losses"] + r["losses"], first["norms"] + r["norms"]
         else:
             cfg = _config(name, tmp)
-            r = train.run(cfg, info, ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
-            losses = r["losses"]
-        out[name] = dict(losses=losses, full=r["full"], state=r["state"])
+            grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+            r = train.run(cfg, info, grid)
+            losses, norms = r["losses"], r["norms"]
+        out[name] = dict(
+            losses=losses, norms=norms, full=r["full"], state=r["state"], pp_rank=grid.pp_rank
+        )
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("d28w2"))
-    return run_distributed(_runs, tmp, DATA_PARALLEL, RESUMABLE, world_size=2, timeout_s=300)[0]
+    return run_distributed(_runs, tmp, DATA_PARALLEL, RESUMABLE, world_size=2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("d28w4"))
-    return run_distributed(_runs, tmp, MODEL_PARALLEL, RESUMABLE, world_size=4,
-                           timeout_s=300)[0]  # fmt: skip
+    return run_distributed(_runs, tmp, MODEL_PARALLEL, RESUMABLE, world_size=4, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +101,11 @@ def reference(tmp_path_factory):
 
 
 def _check(run, reference, name):
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, ref_norms = reference
     torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=0, msg=name)
+    # clipping at 1.0 rescales every step's gradient and Adam is scale-invariant: a gradient off
+    # by a constant factor leaves losses and parameters alone; the norm before clipping shows it
+    torch.testing.assert_close(run["norms"], ref_norms, rtol=1e-5, atol=0, msg=name)
     assert run["full"].keys() == ref_params.keys(), name
     gap = max((run["full"][k] - ref_params[k].detach()).abs().max().item() for k in ref_params)
     assert gap <= 1e-5, f"{name}: parameters {gap:.1e} from one process"
@@ -110,21 +115,30 @@ def _check(run, reference, name):
 def test_data_parallel_strategies_cut_and_resumed_train_like_one_process(
     two_ranks, reference, name
 ):
-    _check(two_ranks[name], reference, name)
+    _check(two_ranks[0][name], reference, name)
 
 
 @pytest.mark.parametrize("name", MODEL_PARALLEL)
 def test_model_parallel_strategies_train_like_one_process(four_ranks, reference, name):
-    _check(four_ranks[name], reference, name)
+    _check(four_ranks[0][name], reference, name)
 
 
 @pytest.mark.parametrize("name, world", MEASURED)
-def test_measured_state_per_rank_is_the_fit_prediction(two_ranks, four_ranks, name, world):
-    run = {**two_ranks, **four_ranks}[name]
-    got = sum(run["state"].values())
+def test_measured_state_of_every_rank_is_the_prediction_for_its_stage(
+    two_ranks, four_ranks, name, world
+):
     tp = pp = 2 if REGISTRY[name].model_parallel else 1
+    ranks = two_ranks if world == 2 else four_ranks
+    for rank, runs in enumerate(ranks):  # every rank: the last pipeline stage holds the head
+        run = runs[name]
+        got = sum(run["state"].values())
+        want = REGISTRY[name].predicted_rank_state(
+            preset("tiny"), world=world, tp=tp, pp=pp, pp_rank=run["pp_rank"]
+        )
+        assert abs(got - want) <= 0.01 * want, f"{name} rank {rank}: {got:,} vs {want:,.0f}"
+    fullest = max(sum(r[name]["state"].values()) for r in ranks)  # what fit.py sizes by
     want = fit.predicted_bytes(preset("tiny"), name, world=world, tp=tp, pp=pp)["resident"]
-    assert abs(got - want) <= 0.01 * want, f"{name}: measured {got:,} vs predicted {want:,.0f}"
+    assert abs(fullest - want) <= 0.01 * want, f"{name}: fullest {fullest:,} vs {want:,.0f}"
 
 
 # --- the data pipeline -------------------------------------------------------------------------
@@ -167,6 +181,18 @@ def test_the_schedule_warms_up_linearly_then_decays_to_min_lr():
     assert lr_at(4, r) == pytest.approx(6e-4) and lr_at(20, r) == pytest.approx(6e-5)
     lrs = [lr_at(s, r) for s in range(4, 21)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_the_recipe_is_gpt3_smalls_and_reaches_adamw_as_written():
+    r = train.Config().recipe()  # the script's defaults: what every strategy trains with
+    got = (r.lr, r.min_lr, r.weight_decay, r.clip, r.betas, r.eps)
+    assert got == (6e-4, 6e-5, 0.1, 1.0, (0.9, 0.95), 1e-8)
+    opt = make_adamw(GPT(preset("tiny")), r)
+    decay = {g["weight_decay"] for g in opt.param_groups}
+    assert decay == {0.1, 0.0}  # matrices decay, biases and norms do not
+    assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in opt.param_groups)
+    ds = dict(lr=6e-4, eps=1e-8, weight_decay=0.1, betas=[0.9, 0.95])
+    assert r.optim.deepspeed_params() == ds  # what the zero2/zero3 strategies hand DeepSpeed
 
 
 # --- bad input ----------------------------------------------------------------------------------
