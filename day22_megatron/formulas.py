@@ -86,7 +86,7 @@ def comm_bytes(
     tok = b * s_rank
     first, last = _ends(lay, pp_rank)
     layers = cfg.n_layer // lay.pp
-    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "norm": 0.0}
     if lay.tp > 1 and sp:  # day 21: SP's all-gathers and reduce-scatters, per micro-batch
         out["tp"] = m * sum(sp_cp.sp_step_bytes(cfg, b, s_rank, lay.tp, e).values())
     elif lay.tp > 1:
@@ -101,6 +101,8 @@ def comm_bytes(
         if cfg.tie_weights and (first or last):  # wte and its copy: all-reduce over 2 ranks
             out["pp"] += ring_bytes(cfg.vocab_size * C // lay.tp, e, 2)
     out["dp"] = ring_bytes(params_per_rank(cfg, lay, pp_rank), e, lay.dp * lay.cp)
+    # clipping: the squared norm's shares, one fp64 scalar all-reduced over tp x pp
+    out["norm"] = ring_bytes(1, 8, lay.tp * lay.pp)
     return out
 
 

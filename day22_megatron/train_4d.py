@@ -139,6 +139,7 @@ def axis_groups(stack) -> dict[str, list]:
         "cp": [grid.cp_group],
         "pp": pp,
         "dp": [grid.group("dp", "cp")],
+        "norm": [grid.group("tp", "pp")],  # the clip's global norm (stack.global_grad_norm)
     }
 
 
@@ -172,13 +173,16 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         if stack.pipeline is not None:
             idle.append(1 - sum(e - s for s, e, _ in stack.record.spans) / t_fb)
         sent = {axis: comm.ring_bytes_on(*gs) for axis, gs in groups.items()}
+        # every call of the step, on any group: a collective outside the four axes (one on the
+        # world group, say) shows here and nowhere else
+        sent["total"] = sum(comm.group_ring_bytes.values())
         losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / holders)
         log.log(
             step,
             loss=losses[-1],
             grad_norm=norms[-1],
             dt_s=times[-1],
-            **{f"{a}_mb": f"{b / MB:.3f}" for a, b in sent.items() if b},
+            **{f"{a}_mb": f"{b / MB:.3f}" for a, b in sent.items() if b and a != "total"},
         )
     log.close()
     return dict(
@@ -195,6 +199,7 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
         microbatches=cfg.microbatches, seq_len=cfg.seq_len, sp=cfg.sp,
     )  # fmt: skip
+    want_comm["total"] = sum(want_comm.values())  # the axes' sum: nothing sent outside them
     got = {**result["state"], **result["sent"]}
     want = {**want_state, **want_comm}
     exact = {k: matches_formula(got[k], want[k]) for k in want}
