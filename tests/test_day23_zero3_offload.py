@@ -134,6 +134,20 @@ def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
     assert gap < 1e-4, f"{name}: parameters {gap:.1e} from one process"
 
 
+def test_weight_decay_reaches_every_matrix_even_where_no_gradient_does(runs):
+    """Positions past seq_len get no gradient, so AdamW's step there is exactly 0 (m = v = 0)
+    and only the decoupled decay moves them: w_K = w_0 (1 - lr wd)^K. The losses, and the
+    parameters at 1e-4, cannot see a decay dropped (it moves the largest weight by 4e-5 in K
+    steps); these rows see nothing else."""
+    from dtl.model import GPT
+
+    w0 = GPT(preset("tiny", vocab_size=VOCAB), seed=0).wpe.weight.detach()[T:]
+    lr, wd = 1e-3, 0.1  # every template's optimizer.params, a constant lr
+    for name, r in runs.items():
+        got = r["full"]["wpe.weight"][T:]
+        torch.testing.assert_close(got, w0 * (1 - lr * wd) ** K, rtol=1e-6, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("name", ["zero3", *TEMPLATES])
 def test_bytes_per_location_are_where_the_explainer_says(runs, name):
     r = runs[name]
