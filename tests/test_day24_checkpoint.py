@@ -12,6 +12,7 @@ buckets and change the order of additions: equal to rounding, not to the bit).
 import io
 import json
 import os
+import time
 import types
 
 import numpy as np
@@ -77,9 +78,17 @@ def _save_body(root):
     cfg = Config(**{**CFG.__dict__, "parallel": "ddp"})
     _, model, opt, sched = build(cfg, _info(world))
     app = C.AppState(model, opt, sched)
-    ckpt = C.Checkpointer(os.path.join(root, "async"), async_save=True)
+    # the writer thread lingers 1 s after its shard is written, so the write outlasts a step:
+    # a save that blocked until written (or handed back a future already done) cannot pass
+    ckpt = C.Checkpointer(
+        os.path.join(root, "async"), async_save=True, on_write=lambda step: time.sleep(1.0)
+    )
+    trained_while_writing = 0  # steps that ran, start to end, while the write was in flight
     for step in range(5):
+        writing = ckpt.pending is not None and not ckpt.pending[0].done()
         _step(model, opt, sched, step, rank, world)
+        if writing and not ckpt.pending[0].done():
+            trained_while_writing += 1
         if step == 2:
             snapshot = _full_state(model, opt)
             app.progress = C.Progress(step=3, samples=12)
@@ -91,6 +100,7 @@ def _save_body(root):
         final=_full_state(model, opt),
         blocked_s=record.blocked_s,
         in_flight=in_flight,
+        trained_while_writing=trained_while_writing,
     )
     fresh_model, fresh_opt = build(cfg, _info(world))[1:3]
     fresh = C.AppState(fresh_model, fresh_opt, None)
@@ -155,6 +165,7 @@ def test_async_save_holds_the_state_of_its_step_while_training_moves_on(saved):
     for res in ranks:
         a = res["async"]
         assert a["in_flight"], "the async save returned only after writing"
+        assert a["trained_while_writing"] >= 1, "no training step ran while the write was in flight"
         _assert_equal_states(a["loaded"], a["snapshot"])
         assert a["step"] == 3
         assert not all(torch.equal(a["final"][k], a["snapshot"][k]) for k in a["snapshot"])
