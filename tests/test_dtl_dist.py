@@ -250,3 +250,32 @@ def test_planned_backend_reads_each_launchers_local_size(monkeypatch):
     monkeypatch.setenv("DTL_BACKEND", "mpi")
     with pytest.raises(dtl_dist.BackendError, match="DTL_BACKEND='mpi'"):
         dtl_dist.planned_backend()
+
+
+def _average_mixed_dtypes():
+    rank = dist.get_rank()
+    a = torch.nn.Parameter(torch.zeros(3))
+    b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    unused = torch.nn.Parameter(torch.zeros(4))  # no gradient: skipped, not averaged as zeros
+    a.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    b.grad = torch.tensor([10.0, 20.0], dtype=torch.float64) * (rank + 1)
+    sent = dtl_dist.average_gradients([a, unused, b])
+    return a.grad.tolist(), b.grad.tolist(), b.grad.dtype, unused.grad, sent
+
+
+def test_average_gradients_is_the_mean_over_ranks_per_dtype_and_reports_its_bytes():
+    for got_a, got_b, dtype, unused, sent in run_distributed(_average_mixed_dtypes, world_size=3):
+        assert got_a == [2.0, 4.0, 6.0]  # (1 + 2 + 3) / 3 times the rank-1 gradient
+        assert got_b == [20.0, 40.0] and dtype == torch.float64  # its own buffer, not cast
+        assert unused is None
+        assert sent == 3 * 4 + 2 * 8  # one fp32 buffer, one fp64 buffer
+
+
+def test_matches_formula_is_equality_up_to_float_rounding_only():
+    from dtl.metrics import matches_formula
+
+    assert matches_formula(43_492_352.0, 43_492_352)
+    assert matches_formula(0.1 + 0.2, 0.3)  # rounding
+    assert not matches_formula(43_492_353, 43_492_352)  # one byte off is a mismatch
+    assert not matches_formula(1.0, 0.0)  # a zero formula allows rounding, not a byte
+    assert matches_formula(0.0, 0.0)
