@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from dtl import compat
 from dtl.flat import FlatBuffer
+from dtl.precision import at_least_fp32
 
 
 class Bucket:
@@ -40,14 +41,16 @@ class Bucket:
         else:
             # a view: the optimizer's update of my slice lands in the full parameters directly
             self.param_shard = self.full.shard(rank, world)
-        # the tensor the optimizer steps: my slice itself in fp32, an fp32 copy ("master") in bf16
-        # or when the optimizer is offloaded (ZeRO-Offload: the copy lives in CPU memory, so the
-        # optimizer's m and v are created there too, and its step runs on the CPU)
-        if self.dtype == torch.float32 and not offload:
+        # the tensor the optimizer steps: my slice itself in fp32 (or fp64), an fp32 copy
+        # ("master") in bf16 or when the optimizer is offloaded (ZeRO-Offload: the copy lives in
+        # CPU memory, so the optimizer's m and v are created there too, and its step runs there)
+        master_dtype = at_least_fp32(self.dtype)  # never narrower than the parameters
+        if self.dtype == master_dtype and not offload:
             self.master = nn.Parameter(self.param_shard)  # shares the slice's memory
         else:
             home = "cpu" if offload else self.param_shard.device  # bf16 alone: stays on device
-            self.master = nn.Parameter(self.param_shard.detach().float().to(home, copy=True))
+            master = self.param_shard.detach().to(home, master_dtype, copy=True)
+            self.master = nn.Parameter(master)
         # gradients: stage 1 keeps them full (P,), stages 2 and 3 only my averaged slice (P/N,)
         self.full_grads: FlatBuffer | None = self._new_grad_buffer() if stage == 1 else None
         self.grad_shard = (

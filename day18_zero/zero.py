@@ -283,7 +283,7 @@ class ZeroModel(nn.Module):
         for b in self.buckets:
             # (P/N,) my averaged gradient slice -> the master's device and dtype (offloaded:
             # device -> CPU, the PCIe copy ZeRO-Offload pays every step)
-            b.master.grad = b.grad_shard.to(b.master.device, torch.float32)
+            b.master.grad = b.grad_shard.to(b.master.device, b.master.dtype)
         self.optimizer.step()  # touches only (P/N,) slices: 1/N of the optimizer's work and state
         for b in self.buckets:
             if b.master.data_ptr() != b.param_shard.data_ptr():

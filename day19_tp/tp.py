@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
+from dtl.precision import at_least_fp32
 
 
 class TPError(ValueError):
@@ -158,7 +159,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, lo, vocab_size, ignore_index):
-        z = logits.float().clone()  # (N, V/t); the columns [lo, lo + V/t) of the vocabulary
+        # (N, V/t); the columns [lo, lo + V/t) of the vocabulary, in fp32 or wider (fp64 stays)
+        z = logits.to(at_least_fp32(logits.dtype)).clone()
         n_local = z.size(-1)
         padded = torch.arange(lo, lo + n_local, device=z.device) >= vocab_size
         z[:, padded] = float("-inf")

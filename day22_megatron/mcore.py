@@ -20,7 +20,7 @@ from day22_megatron.megatron_gpt import build_model_chunks, load_dense
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, Precision
+from dtl.precision import PRECISIONS, Precision, at_least_fp32
 
 
 @dataclass
@@ -42,7 +42,7 @@ def causal_mask(T: int, device) -> torch.Tensor:
 def loss_func(per_token_loss: torch.Tensor):
     """Mean cross-entropy of one micro-batch. The schedule divides it by the number of
     micro-batches and DDP by the DP size, so the gradient is the global batch's mean."""
-    loss = per_token_loss.float().mean()
+    loss = per_token_loss.to(at_least_fp32(per_token_loss.dtype)).mean()
     return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides in place
 
 

@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtl.precision import at_least_fp32
+
 GPT2_VOCAB_SIZE = 50257  # the real GPT-2 BPE vocabulary: the size the notes count
 
 
@@ -297,7 +299,9 @@ class GPT(nn.Module):
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy over the tokens whose target is not `ignore_index`."""
     return F.cross_entropy(
-        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index
+        logits.flatten(0, -2).to(at_least_fp32(logits.dtype)),
+        targets.flatten(),
+        ignore_index=ignore_index,
     )
 
 

@@ -104,6 +104,12 @@ PRECISIONS: Mapping[str, Precision] = MappingProxyType({
 PrecisionName = Literal[tuple(PRECISIONS)]
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate and update in: fp32 for 16-bit types, the type itself when it is
+    wider (fp64 stays fp64: an upcast must never be a downcast, or an fp64 check loses 1e-7)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def precision(name: str) -> Precision:
     """The row called `name`; a one-line error naming the choices otherwise."""
     try:

@@ -258,6 +258,35 @@ def test_hand_zero_1_2_3_match_one_process_with_accumulation_and_padding(hand):
                 assert torch.equal(p, ranks[0][key]["params"][name]), (key, name)
 
 
+def _fp64_hand_zero():
+    """Hand ZeRO 1-3 on an fp64 model: the master is the slice itself (never an fp32 copy)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        t = engines.build("hand", stage, make_model("gpt").double(), None, OPT, no_sync=True,
+                          bucket_cap_mb=CAP_MB)  # fmt: skip
+        losses = []
+        for step in range(K):
+            batches = my_micro_batches("gpt", step, rank, world, 2)
+            losses.append(all_reduce_scalar(t.step(batches), average=True))
+        out[stage] = losses, t.full_parameters()
+    return out
+
+
+def test_hand_zero_in_fp64_matches_one_process_to_1e_10():
+    """fp64 leaves only the summation order between the runs: 1e-10 holds where fp32's 1e-5
+    would let a real difference through. An fp32 master under fp64 weights was off by 1e-7."""
+    model = make_model("gpt").double()
+    opt = OPT.make(model.parameters())
+    ref = reference_train(model, lambda s: global_batch("gpt", s, B * 2 * 2), opt, K)
+    ref_params = dict(model.named_parameters())
+    for stage, (losses, params) in run_distributed(_fp64_hand_zero, world_size=2)[0].items():
+        torch.testing.assert_close(losses, ref, rtol=1e-10, atol=0, msg=f"stage {stage}")
+        for name, p in ref_params.items():
+            assert params[name].dtype == torch.float64
+            torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=1e-10)
+
+
 def test_torch_zero_optimizer_fsdp2_and_deepspeed_match_one_process(library):
     world, ranks = library
     for key, res in ranks[0].items():

@@ -297,6 +297,34 @@ def test_tp_gpt_loss_gradients_and_parameters_after_k_steps_equal_the_dense_mode
                 )
 
 
+def _fp64_tp_gpt():
+    grid = ParallelGrid(tp=2)
+    gpt = apply_tp(GPT(CFG, seed=0).double(), grid, pad_vocab=True)
+    opt = _optimizer("adamw", gpt.parameters())
+    losses = []
+    for step in range(K):
+        x, y = _batch(step)
+        loss = tp_loss(gpt, gpt(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, full_tensors(gpt)
+
+
+def test_tp_gpt_in_fp64_equals_the_dense_model_to_1e_10():
+    """In fp64 only the summation order differs: 1e-10, where fp32 allows 1e-5. The vocab-parallel
+    cross-entropy upcasts to at least fp32; a `.float()` there cut fp64 to 1e-7."""
+    gpt = GPT(CFG, seed=0).double()
+    opt = _optimizer("adamw", gpt.parameters())
+    ref = reference_train(gpt, lambda s: _global_batch(s, 1), opt, K)
+    losses, params = run_distributed(_fp64_tp_gpt, world_size=2)[0]
+    torch.testing.assert_close(losses, ref, rtol=1e-10, atol=0)
+    for name, p in gpt.named_parameters():
+        assert params[name].dtype == torch.float64, name
+        torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=1e-10, msg=name)
+
+
 def test_tp_traffic_per_step_is_4_all_reduces_per_block_plus_embedding_head_and_loss(world):
     tp, _, ranks = world
     for res in ranks:  # one block: g after attention and MLP forward, f before both backward
