@@ -63,7 +63,8 @@ class Config:
     lr: float = 1e-3  # AdamW learning rate (DeepSpeed's "auto" values come from here)
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay (DeepSpeed's AdamW defaults to 0, torch's 0.01)
-    bucket_cap_mb: float = 25.0  # hand stages 1-2 and torch DDP: gradient bucket size in MiB
+    # hand stages 1-2 and torch DDP: gradient bucket size in MiB
+    bucket_cap_mb: Annotated[float, dtl_config.POSITIVE] = 25.0
     prefetch: bool = True  # hand stage 3: all-gather the next block while this one computes
     ds_config: str = ""  # DeepSpeed JSON; empty: day18_zero/ds_config_zero<stage>.json
     check: bool = True  # fp32 only: rank 0 also trains one process on the global batch, compares

@@ -47,6 +47,12 @@ class Config:
     steps: int = 6  # timed steps per configuration (after one warm-up)
     out_dir: str = "outputs/day19_tp/bench"  # table.csv
 
+    def validate(self) -> None:
+        if self.seq_len > preset(self.model).block_size:
+            raise dtl_config.ConfigError(
+                f"seq_len {self.seq_len} exceeds {self.model}'s block_size"
+            )
+
 
 def _tp_sizes(world: int, cfg) -> list[int]:
     return [t for t in (1, 2, 4, 8) if world % t == 0 and cfg.n_head % t == 0]

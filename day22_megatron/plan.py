@@ -25,6 +25,7 @@ layer, the bubble) are the ones days 19-22 measure on CPU against real runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from day19_tp.formulas import IB_NDR_GBS, NVLINK_H100_GBS
 from day22_megatron import formulas
@@ -53,7 +54,8 @@ class Config:
     gpus_per_node: int = 8  # TP stays inside a node: t <= this
     gpu_memory_gb: float = 80.0  # H100 SXM
     global_batch_tokens: int = 0  # 0: 524,288 for gpt2-124m (llm.c), 4,194,304 for 6.6b (Llama 2)
-    micro_batch_size: int = 0  # 0: 16 for gpt2-124m, 1 for 6.6b (halved where dp needs it)
+    # 0: 16 for gpt2-124m, 1 for 6.6b (halved where dp needs it)
+    micro_batch_size: Annotated[int, dtl_config.NON_NEGATIVE] = 0
     mfu: float = 0.4  # assumed fraction of the dense bf16 peak the matmuls reach
     distributed_optimizer: bool = True  # false: 18 bytes per parameter on every DP rank
     out_dir: str = "outputs/day22_megatron/plan"  # config.json
@@ -61,8 +63,6 @@ class Config:
     def validate(self) -> None:
         if self.model != "all" and self.model not in MODELS:
             raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(MODELS)}, all")
-        if not 0 < self.mfu <= 1:
-            raise dtl_config.ConfigError(f"mfu must be in (0, 1], got {self.mfu}")
 
 
 def defaults(model: str) -> tuple[int, int]:

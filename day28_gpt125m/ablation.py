@@ -33,7 +33,7 @@ from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
-from dtl.precision import PrecisionName
+from dtl.precision import PRECISIONS, PrecisionName
 
 # the CPU default: a small GPT at a long sequence (512 tokens, 128 wide), where attention is a
 # large share of the step; `small` at 128 tokens spends it in its 50,304-word head instead
@@ -68,7 +68,17 @@ class Config:
             raise dtl_config.ConfigError(f"unknown model '{self.model}'; {', '.join(MODELS)}")
         if self.seq_len > MODELS[self.model].block_size:
             raise dtl_config.ConfigError(f"seq_len {self.seq_len} exceeds the model's block_size")
+        unknown = [g for g in self.only.split(",") if g and g not in GROUPS]
+        if unknown:
+            raise dtl_config.ConfigError(f"unknown group(s) {unknown}; {', '.join(GROUPS)}")
+        if PRECISIONS[self.precision].loss_scaling:
+            raise dtl_config.ConfigError(
+                f"precision {self.precision} needs a loss scaler (torch.amp.GradScaler), which "
+                "the ablation does not use; use bf16"
+            )
 
+
+GROUPS = ("attention", "AdamW", "compile")  # what --only picks from
 
 OPTIMIZER_MODES = {  # mode -> make_adamw's (fused, foreach)
     "loop": (False, False),
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     dtl_config.save(cfg, cfg.out_dir, argv)
     mcfg = MODELS[cfg.model]
     tokens = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size)).train
-    groups = [g for g in cfg.only.split(",") if g] or ["attention", "AdamW", "compile"]
+    groups = [g for g in cfg.only.split(",") if g] or list(GROUPS)
     rows = []
     for name, variant in VARIANTS.items():
         group = name.split(":")[0]

@@ -50,6 +50,10 @@ class Config:
             ) from None
         if min(sizes) < 1:
             raise dtl_config.ConfigError("micro_batches must be >= 1")
+        if self.seq_len > PRESETS[self.model].block_size:
+            raise dtl_config.ConfigError(
+                f"seq_len {self.seq_len} exceeds {self.model}'s block_size"
+            )
 
 
 def tokens_per_s(cfg: Config, b: int, tokens, device) -> float | None:

@@ -63,8 +63,12 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in MODELS]
         if unknown:
             raise dtl_config.ConfigError(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
-        if not 0 < self.mfu <= 1:
-            raise dtl_config.ConfigError(f"mfu must be in (0, 1], got {self.mfu}")
+        try:
+            sizes = [int(g) for g in self.gpus.split(",")]
+        except ValueError:
+            raise dtl_config.ConfigError(f"gpus must be integers, got {self.gpus!r}") from None
+        if min(sizes) < 1:
+            raise dtl_config.ConfigError(f"gpus must be >= 1, got {self.gpus!r}")
 
 
 def zero3_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float) -> dict:

@@ -122,6 +122,10 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
+        if self.min_lr > self.lr:
+            raise err(f"min_lr {self.min_lr:g} exceeds lr {self.lr:g}: the cosine decays to it")
+        if self.data.endswith(".txt") and not os.path.isfile(self.data):
+            raise err(f"data file not found: {self.data}")
         if not APPLIES[self.precision]:
             raise err(f"--precision={self.precision} is applied by no strategy here (its loss "
                       "scaler is not wired); use bf16")  # fmt: skip

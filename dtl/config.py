@@ -12,9 +12,10 @@ collective:
 - `--help` / `-h` prints every field with its type, default and comment, and exits 0;
 - an unknown key or a value of the wrong type is a one-line error listing the valid keys;
 - a choice field (typed `Literal[...]`, see `choices`) takes one of its values, or says which;
-- values are checked by name, once for every script (`RULES`): learning rates finite and > 0,
-  counts >= 1, fractions in [0, 1], percentages in [0, 100], every float finite, `out_dir`
-  created and writable; then the dataclass's own `validate()` runs, if it has one.
+- numbers are checked once for every script: a field's declared `Range` (Annotated[int,
+  Range(lo=0)]), else a rule by its name (learning rates and eps > 0, counts and parallel sizes
+  >= 1, workers, warm-up, clipping and decay >= 0, fractions in [0, 1]); every float finite,
+  `out_dir` created and writable; then the dataclass's own `validate()` runs, if it has one.
 Errors exit with code 2 and one line on stderr (nanoGPT's configurator does the same, more
 bluntly). Why not tyro (torchtitan's choice)? It builds the same command line from dataclasses,
 but its syntax is `--lr 1e-3`, it has no TOML layer, and its errors are multi-line panels: we keep
@@ -151,35 +152,90 @@ def _apply(cfg, updates: dict, source: str):
     return cfg
 
 
-# --- checks every script gets, by field name ----------------------------------------------------
+# --- checks every script gets: a field's declared Range, else a rule by its name ----------------
 
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric field allows, declared with its type where the name rule below does
+    not fit (a 0 that means "auto", a size that must be > 0):
+
+        micro_batch_size: Annotated[int, Range(lo=0)] = 0      # 0: the planner picks
+        bucket_cap_mb: Annotated[float, POSITIVE] = 25.0        # Range(lo=0, lo_open=True)
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself excluded (a size > 0)
+    hi_open: bool = False  # hi itself excluded (Adam's beta < 1)
+    text: str = ""  # how the error names the range ("a fraction in [0, 1]"); else built
+
+    def allows(self, v) -> bool:
+        above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return math.isfinite(v) and above and below
+
+    def describe(self, value) -> str:
+        if self.text:
+            return self.text
+        low = None if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        high = None if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        kind = "an integer" if isinstance(value, int) else "a finite number"
+        return f"{kind} " + " and ".join(x for x in (low, high) if x)
+
+
+AT_LEAST_1, NON_NEGATIVE, POSITIVE = Range(lo=1), Range(lo=0), Range(lo=0, lo_open=True)
+FRACTION = Range(lo=0, hi=1, text="a fraction in [0, 1]")
+
+# the by-name rules: a field called so, in any script, takes these values
 COUNT_NAMES = {
     "steps", "epochs", "batch_size", "seq_len", "grad_accum", "iters", "reps", "repeats",
-    "log_every", "micro_batches", "microbatches",
+    "log_every", "micro_batches", "microbatches", "micro_batch_size", "global_batch_size",
+    "global_batch", "tp", "pp", "cp", "chunks", "heads", "head_dim", "n_head", "n_embd", "saves",
+    "nproc", "keep", "train_iters", "seq_length", "eval_batches", "gpus_per_node", "world",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size",
 }  # fmt: skip
+NON_NEGATIVE_NAMES = {
+    "workers", "warmup", "save_every", "eval_every", "sample_tokens", "save_at", "stop_at",
+    "clip", "clip_grad", "weight_decay", "num_layers", "vocab_size", "gpus", "step_sleep_s",
+    "hold_s", "global_batch_tokens", "num_layers_per_virtual_pipeline_stage",
+}  # fmt: skip
+POSITIVE_NAMES = {"eps", "adam_eps", "t_f_ms"}
 
 
-def _rule(name: str):
-    """(description, predicate) for a field name, or None when no shared rule applies."""
-    if name == "lr" or name.endswith("_lr"):
-        return "a finite number > 0", lambda v: math.isfinite(v) and v > 0
+def _name_rule(name: str) -> Range | None:
+    if name == "lr" or name.endswith("_lr") or name in POSITIVE_NAMES:
+        return POSITIVE
     if name in COUNT_NAMES:
-        return "an integer >= 1", lambda v: v >= 1
-    if name.endswith(("_fraction", "_frac", "accuracy")):
-        return "a fraction in [0, 1]", lambda v: 0 <= v <= 1
+        return AT_LEAST_1
+    if name in NON_NEGATIVE_NAMES or name.endswith(("_mb", "_gb")):
+        return NON_NEGATIVE
+    if name.endswith(("_fraction", "_frac", "accuracy")) or name == "dropout":
+        return FRACTION
+    if name == "mfu":  # a share of the peak a run reaches: above 0, at most all of it
+        return Range(lo=0, hi=1, lo_open=True)
+    if name.startswith("adam_beta"):
+        return Range(lo=0, hi=1, hi_open=True)
     if name.endswith(("_pct", "_percent")):
-        return "a percentage in [0, 100]", lambda v: 0 <= v <= 100
+        return Range(lo=0, hi=100, text="a percentage in [0, 100]")
+    return None
+
+
+def _declared_range(typ) -> Range | None:
+    if typing.get_origin(typ) is typing.Annotated:
+        return next((m for m in typing.get_args(typ)[1:] if isinstance(m, Range)), None)
     return None
 
 
 def check_values(cfg) -> None:
-    """The shared numeric checks: by-name rules and finite floats."""
+    """The shared numeric checks: a declared Range, else the name's rule; finite floats."""
+    types_ = _field_types(type(cfg))
     for key, value in to_dict(cfg).items():
-        if isinstance(value, bool) or value is None:
+        if isinstance(value, bool) or value is None or not isinstance(value, (int, float)):
             continue
-        rule = _rule(key)
-        if rule and isinstance(value, (int, float)) and not rule[1](value):
-            raise ConfigError(f"config key '{key}' must be {rule[0]}, got {value!r}")
+        rule = _declared_range(types_.get(key)) or _name_rule(key)
+        if rule and not rule.allows(value):
+            raise ConfigError(f"config key '{key}' must be {rule.describe(value)}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
 

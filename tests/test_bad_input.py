@@ -1,0 +1,201 @@
+"""Bad input to every script of days 18-28 stops it with one line on stderr, exit code 2, and no
+process group created: four cases or more per script, each naming what is wrong. A script run
+here is a fork of dtl.script_server's interpreter (torch imported once), as dtl.testing's
+script_error runs it; WORLD_SIZE says what torchrun would have launched."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtl.testing import script_error
+
+NOT_FOUND = "/nonexistent/ds.json"
+CASES = {
+    "day18_zero.train": [
+        (["--stage=4"], "unknown ZeRO stage 4"),
+        (["--bucket_cap_mb=0"], "'bucket_cap_mb' must be a finite number > 0"),  # once a ZeroError
+        (["--grad_accum=0"], "'grad_accum' must be an integer >= 1"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+        (["--impl=deepspeed", f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
+    ],
+    "day18_zero.bench": [
+        (["--pairs=zero5"], "unknown pair(s) ['zero5']"),
+        (["--precision=fp16"], "precision fp16 needs a loss scaler"),
+        (["--steps=2", "--warmup=2"], "steps (2) must exceed warmup (2)"),
+        (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
+    ],
+    "day18_zero.memory": [
+        (["--model=nope"], "unknown model 'nope'"),
+        (["--batch_size=0"], "'batch_size' must be an integer >= 1"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+        (["--out_dir=/proc/nope"], "out_dir '/proc/nope' is not a writable folder"),
+    ],
+    "day19_tp.train": [
+        (["--tp=0"], "'tp' must be an integer >= 1"),
+        (["--tp=3"], "tp 3 does not divide the world size 4"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+        (["--lr=0"], "'lr' must be a finite number > 0"),
+    ],
+    "day19_tp.bench": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),  # once a traceback
+        (["--model=nope"], "unknown model 'nope'"),
+    ],
+    "day19_tp.layout": [
+        (["--tp=3"], "n_head 4 must divide by tp 3"),
+        (["--n_head=3"], "n_head 3 must divide by tp 2"),
+        (["--n_embd=0"], "'n_embd' must be an integer >= 1"),
+        (["--tp=0"], "'tp' must be an integer >= 1"),
+    ],
+    "day20_pp.train": [
+        (["--schedule=x"], "unknown schedule 'x'"),
+        (["--pp=0"], "'pp' must be an integer >= 1"),
+        (["--pp=3"], "pp 3 does not divide the world size 4"),
+        (["--microbatches=0"], "'microbatches' must be an integer >= 1"),
+        (["--chunks=0"], "'chunks' must be an integer >= 1"),
+    ],
+    "day20_pp.bench": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--t_f_ms=0"], "'t_f_ms' must be a finite number > 0"),
+        (["--microbatches=0"], "'microbatches' must be an integer >= 1"),
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+    ],
+    "day21_sp_cp.train": [
+        (["--cp=0"], "'cp' must be an integer >= 1"),  # once a ZeroDivisionError
+        (["--attn=x"], "unknown attention 'x'"),
+        (["--seq_len=127"], "seq_len 127 is not divisible by 4"),
+        (["--sp=true"], "--sp needs tensor parallelism"),
+    ],
+    "day21_sp_cp.bench": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--heads=0"], "'heads' must be an integer >= 1"),
+        (["--seqs=abc"], "seqs must be comma-separated integers"),
+        (["--reps=0"], "'reps' must be an integer >= 1"),
+    ],
+    "day22_megatron.plan": [
+        (["--model=x"], "unknown model 'x'"),
+        (["--mfu=2"], "'mfu' must be a finite number > 0 and <= 1"),
+        (["--gpus=-1"], "'gpus' must be an integer >= 0"),
+        (["--micro_batch_size=-1"], "'micro_batch_size' must be an integer >= 0"),
+    ],
+    "day22_megatron.sweep": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--tp=0"], "'tp' must be an integer >= 1"),
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+        (["--memory_budget_mb=-1"], "'memory_budget_mb' must be a finite number >= 0"),
+    ],
+    "day22_megatron.train_4d": [
+        (["--num_layers=-1"], "'num_layers' must be an integer >= 0"),  # once a KeyError
+        (["--cp=0"], "'cp' must be an integer >= 1"),
+        (["--chunks=2"], "--chunks=2 needs --pp >= 2"),
+        (["--attn=x"], "unknown attention 'x'"),
+    ],
+    "day22_megatron.train_megatron": [
+        (["--precision=bf16"], "--precision=bf16 is for GPUs here"),
+        (["--tensor-model-parallel-size=0"], "'tensor_model_parallel_size' must be an integer"),
+        (["--global-batch-size=7"], "global batch 7 is not divisible by micro-batch 1 x dp 4"),
+        (["--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
+        (["--adam_beta1=1.5"], "'adam_beta1' must be a finite number >= 0 and < 1"),
+    ],
+    "day23_zero3_offload.train": [
+        ([f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
+        (["--precision=fp16"], "precision fp16 needs a GPU"),
+        (["--resume"], "--save_at and --resume need --ckpt_dir"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+    ],
+    "day23_zero3_offload.bench": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--keys_model=abc"], "keys_model must be LAYERSxWIDTH"),
+        (["--steps=1"], "steps must be >= 2"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+    ],
+    "day23_zero3_offload.explain": [
+        ([f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
+        (["--model=x"], "unknown model 'x'"),
+        (["--world=0"], "'world' must be an integer >= 1"),
+        (["--fit_budget_gb=-1"], "'fit_budget_gb' must be a finite number >= 0"),
+    ],
+    "day24_checkpoint.train": [
+        (["--parallel=x"], "unknown parallel 'x'"),
+        (["--keep=0"], "'keep' must be an integer >= 1"),
+        (["--resume=maybe"], "resume 'maybe' is neither auto, none, latest nor a folder"),
+        (["--global_batch=7"], "global_batch 7 does not split over 4 ranks"),
+    ],
+    "day24_checkpoint.drill": [
+        (["--drill=x"], "unknown drill 'x'"),
+        (["--nproc=0"], "'nproc' must be an integer >= 1"),
+        (["--backend=x"], "unknown backend 'x'"),
+        (["--repeats=0"], "'repeats' must be an integer >= 1"),
+    ],
+    "day24_checkpoint.bench": [
+        (["--models=x"], "unknown model 'x'"),
+        (["--saves=0"], "'saves' must be an integer >= 1"),
+        (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
+        (["--batch_size=0"], "'batch_size' must be an integer >= 1"),
+    ],
+    "day27_profiling.bench": [
+        (["--part=x"], "unknown part 'x'"),
+        (["--runs=x"], "unknown run 'x'"),
+        (["--precision=fp64"], "unknown precision 'fp64'"),  # once a KeyError (--dtype)
+        (["--seq_len=4096"], "seq_len 4096 exceeds small's block_size"),
+    ],
+    "day27_profiling.profile": [
+        ([], "give either --target=<module> or --lesson=<day> --run="),
+        (["--lesson=99"], "no lesson for day 99"),
+        (["--lesson=20", "--run=nope"], "day 20 has no run 'nope'"),
+        (["--lesson=20"], "day 20 has no run ''"),
+    ],
+    "day28_gpt125m.train": [
+        (["--data=/nonexistent.txt"], "data file not found: /nonexistent.txt"),  # once rank 0's
+        (["--workers=-1"], "'workers' must be an integer >= 0"),
+        (["--clip=-1"], "'clip' must be a finite number >= 0"),  # once trained
+        (["--lr=0.1", "--min_lr=1"], "min_lr 1 exceeds lr 0.1"),  # once trained, then failed
+        (["--precision=fp16"], "--precision=fp16 is applied by no strategy here"),
+    ],
+    "day28_gpt125m.ablation": [
+        (["--model=x"], "unknown model 'x'"),
+        (["--only=x"], "unknown group(s) ['x']"),  # once an IndexError
+        (["--precision=fp16"], "precision fp16 needs a loss scaler"),  # once ran in fp32
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+    ],
+    "day28_gpt125m.bench_mfu": [
+        (["--micro_batches=abc"], "micro_batches must be integers"),
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+        (["--model=x"], "unknown model 'x'"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds gpt2-124m's block_size"),  # once skipped
+    ],
+    "day28_gpt125m.compare": [
+        (["--models=x"], "unknown model(s) ['x']"),
+        (["--gpus=abc"], "gpus must be integers"),  # once a ValueError traceback
+        (["--mfu=0"], "'mfu' must be a finite number > 0 and <= 1"),
+        (["--gpus_per_node=0"], "'gpus_per_node' must be an integer >= 1"),
+    ],
+}
+PARAMS = [
+    pytest.param(module, args, message, id=f"{module}:{' '.join(args) or 'no-args'}")
+    for module, cases in CASES.items()
+    for args, message in cases
+]
+
+
+def test_every_script_of_days_18_to_28_has_four_cases_or_more():
+    import importlib
+    import pathlib
+
+    root = pathlib.Path(__file__).parent.parent
+    for day in sorted(root.glob("day*")):
+        if not day.is_dir() or int(day.name[3:5]) < 18:
+            continue
+        for script in sorted(day.glob("*.py")):
+            module = f"{day.name}.{script.stem}"
+            if "\ndef main(" in script.read_text() and hasattr(
+                importlib.import_module(module), "Config"
+            ):
+                assert len(CASES.get(module, ())) >= 4, f"{module}: fewer than 4 bad-input cases"
+
+
+@pytest.mark.parametrize("module, args, message", PARAMS)
+def test_bad_input_is_one_line_exit_2_before_any_process_group(module, args, message):
+    line = script_error(module, *args, env={"WORLD_SIZE": "4"})  # exit 2, one line, no group
+    assert line.startswith("error: ") and message in line, line
