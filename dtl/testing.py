@@ -46,6 +46,25 @@ def script_error(module: str, *args: str, env: dict | None = None, timeout_s: fl
     return lines[0]
 
 
+MISSING_EXTRA = "missing extra"  # every skip for a missing Python extra says this
+
+
+def needs_extras(*extras: str):
+    """skipif for a test (or a whole file: `pytestmark = needs_extras("deepspeed")`) that needs
+    optional Python extras. `make test` sets DTL_REQUIRE_EXTRAS=1, and tests/conftest.py then
+    turns such a skip into a failure: the suite that CI runs has them installed, so a skip there
+    would hide a broken install, never excuse it. (libaio is a system package: not an extra.)"""
+    import importlib.util
+
+    import pytest
+
+    modules = {"deepspeed": "deepspeed", "megatron": "megatron.core"}
+    missing = [e for e in extras if importlib.util.find_spec(modules.get(e, e).split(".")[0])
+               is None or importlib.util.find_spec(modules.get(e, e)) is None]  # fmt: skip
+    why = f"{MISSING_EXTRA}: {', '.join(missing)} (pip install -e '.[{','.join(missing)}]')"
+    return pytest.mark.skipif(bool(missing), reason=why)
+
+
 class RankFailed(AssertionError):
     """A rank raised: the message carries its traceback."""
 

@@ -22,3 +22,30 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than let DeepSpeed warn
 torch.set_num_threads(1)  # two cores, two ranks: one thread each, this process included
+
+
+# --- make test: a missing Python extra fails, it does not skip (dtl.testing.needs_extras) ------
+import pytest  # noqa: E402
+
+from dtl.testing import MISSING_EXTRA  # noqa: E402
+
+
+def _strict(report) -> None:
+    if os.environ.get("DTL_REQUIRE_EXTRAS") != "1" or not report.skipped:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if MISSING_EXTRA in reason:
+        report.outcome = "failed"
+        report.longrepr = f"DTL_REQUIRE_EXTRAS=1 (make test): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _strict(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _strict(outcome.get_result())

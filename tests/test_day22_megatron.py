@@ -29,11 +29,9 @@ from dtl.data import get_batch, load_corpus
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, loss_fn, preset
 from dtl.reference import one_process_gpt
-from dtl.testing import run_distributed, script_error
+from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None, reason="needs megatron-core (.[megatron])"
-)
+pytestmark = needs_extras("megatron")
 
 K, T, GBS = 3, 16, 8
 TOL = dict(losses=dict(rtol=1e-5, atol=0), grads=dict(rtol=0, atol=1e-6), params=1e-5)

@@ -25,11 +25,9 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.model import preset
 from dtl.reference import one_process_gpt
-from dtl.testing import run_distributed, script_error
+from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (.[deepspeed])"
-)
+pytestmark = needs_extras("deepspeed")
 
 
 def _libaio() -> bool:

@@ -11,7 +11,6 @@ cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5 (measu
 parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
-import importlib.util
 import os
 import re
 
@@ -28,12 +27,9 @@ from dtl import dist as dtl_dist
 from dtl.data import DataError, get_batch
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, num_params, preset
-from dtl.testing import run_distributed, script_error
+from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("megatron") is None,
-    reason="needs the deepspeed and megatron extras",
-)
+pytestmark = needs_extras("deepspeed", "megatron")
 STEPS, CUT = 8, 4
 # every registered strategy is tested: the data-parallel ones on 2 ranks, the others on 4 (tp=pp=2)
 DATA_PARALLEL = [n for n, kind in REGISTRY.items() if not kind.model_parallel]

@@ -188,3 +188,34 @@ def test_one_process_gpt_trains_the_seeded_gpt_on_get_batch_rows_with_the_given_
         make_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
     )
     assert sgd[0] == losses[0] and sgd[1] != losses[1]  # same start, another optimizer
+
+
+def test_a_missing_extra_skips_but_fails_under_make_tests_flag(tmp_path):
+    """needs_extras: a plain pytest skips, DTL_REQUIRE_EXTRAS=1 (make test) fails the test."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    probe = here / f"_probe_extras_{os.getpid()}.py"  # under tests/: conftest.py applies
+    probe.write_text(
+        "from dtl.testing import needs_extras\n\n"
+        "pytestmark = needs_extras('no_such_extra_dtl')\n\n\n"
+        "def test_needs_it():\n    pass\n"
+    )
+    try:
+        runs = {}
+        for strict in ("0", "1"):
+            env = {**os.environ, "DTL_REQUIRE_EXTRAS": strict}
+            runs[strict] = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(probe)],
+                capture_output=True, text=True, env=env, cwd=here.parent, timeout=120,
+            )  # fmt: skip
+    finally:
+        probe.unlink()
+    assert runs["0"].returncode == 0 and "1 skipped" in runs["0"].stdout, runs["0"].stdout
+    assert runs["1"].returncode == 1 and "1 error" in runs["1"].stdout, runs["1"].stdout  # setup
+    assert "DTL_REQUIRE_EXTRAS=1 (make test): Skipped: missing extra: no_such_extra_dtl" in (
+        runs["1"].stdout
+    )
