@@ -84,10 +84,49 @@ def build_stages(cfg: GPTConfig, grid: ParallelGrid, v: int, seed: int = 0) -> l
 
 @dataclass
 class StepRecord:
-    """What one step did on this rank: the actions' host times and the in-flight high-water."""
+    """What one step did on this rank: the actions' host times and the in-flight high-water:
+    the most micro-batches whose activations autograd held at once, counted from the tensors
+    alive (LiveActivations), not from the action list."""
 
     spans: list[tuple[float, float, Action]] = field(default_factory=list)
     peak_in_flight: int = 0
+
+
+class LiveActivations:
+    """Which (micro-batch, chunk) pairs have activations alive right now. Every tensor autograd
+    saves for backward during a forward passes through `pack` (torch's saved_tensors_hooks) and
+    is wrapped in a _Held tagged with the action running; the wrapper dies when autograd frees
+    its graph (after B, or after W for zero-bubble's kept graph), and its count with it. A
+    runtime that kept a graph longer than its schedule says shows here; parameters are skipped
+    (autograd saves the weights too, and they are alive all the time)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.count: dict[tuple[int, int], int] = {}
+        self.key: tuple[int, int] | None = None  # the action running: (mb, chunk)
+
+    def pack(self, t: torch.Tensor):
+        if self.key is None or t.untyped_storage().data_ptr() in self.params:
+            return t
+        return _Held(t, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def in_flight(self) -> int:
+        return sum(1 for n in self.count.values() if n > 0)
+
+
+class _Held:
+    __slots__ = ("tensor", "live", "key")
+
+    def __init__(self, tensor: torch.Tensor, live: LiveActivations):
+        self.tensor, self.live, self.key = tensor, live, live.key
+        live.count[self.key] = live.count.get(self.key, 0) + 1
+
+    def __del__(self):
+        self.live.count[self.key] -= 1
 
 
 class PipelineRunner:
@@ -143,15 +182,17 @@ class PipelineRunner:
         self.out_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.sends: list = []
         self.loss = 0.0
-        rec, alive = StepRecord(), 0
-        for a in actions:
-            self._t_ready = None  # set when the action's input has arrived (after its recv)
-            t0 = time.perf_counter()
-            getattr(self, f"_{a.kind}")(a.mb, a.chunk)
-            # the span is the work, not the wait for the neighbour: that wait is the bubble
-            rec.spans.append((self._t_ready or t0, _done(self.device), a))
-            alive += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
-            rec.peak_in_flight = max(rec.peak_in_flight, alive)
+        rec = StepRecord()
+        live = LiveActivations(p for s in self.stages for p in s.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+            for a in actions:
+                self._t_ready = None  # set when the action's input has arrived (after its recv)
+                t0 = time.perf_counter()
+                live.key = (a.mb, a.chunk)
+                getattr(self, f"_{a.kind}")(a.mb, a.chunk)
+                # the span is the work, not the wait for the neighbour: that wait is the bubble
+                rec.spans.append((self._t_ready or t0, _done(self.device), a))
+                rec.peak_in_flight = max(rec.peak_in_flight, live.in_flight())
         for work in self.sends:  # every isend must complete before its buffer is reused
             work.wait()
         self._sum_tied_embedding_grads()

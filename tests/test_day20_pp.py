@@ -19,6 +19,7 @@ from day20_pp.pipeline import (
     check_pipeline,
     stage_parameters,
 )
+from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.testing import run_distributed, script_error
@@ -122,15 +123,15 @@ def _pipeline_runs(pp, dp):
         losses, grads, peak = [], None, None
         for step in range(K):
             loss, rec = runner.step(actions, _micro_batches(step, grid.dp_rank, dp))
-            for p in params.values():  # DP beside the pipeline: average over the replicas
-                dist.all_reduce(p.grad, group=grid.dp_group)
-                p.grad /= dp
+            # DP beside the pipeline, the lesson's own path (day20_pp/train.py's run)
+            dtl_dist.average_gradients(list(params.values()), grid.dp_group)
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in params.items()}
                 peak = rec.peak_in_flight
             opt.step()
             opt.zero_grad()
-            losses.append(loss)
+            # the global batch's loss, as train.py's run: the replicas' last stages, averaged
+            losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / dp)
         out[name] = dict(
             losses=losses,
             grads=grads,
@@ -256,10 +257,8 @@ def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs
         for res in ranks:
             grads.update(res[name]["grads"])
             params.update(res[name]["params"])
-        last = [res[name]["losses"] for res in ranks if res[name]["losses"][0] is not None]
-        for losses in last:  # the last stage of every DP replica: its own micro-batches
-            if dp == 1:
-                torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+        for res in ranks:  # every rank: the global batch's loss, dp = 2 included
+            torch.testing.assert_close(res[name]["losses"], ref_losses, rtol=1e-6, atol=0)
         assert grads.keys() == ref_grads.keys(), name  # lm_head: the last stage's tied copy
         for n in ref_grads:
             torch.testing.assert_close(
