@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from dtl.data import cp_chunks
 
@@ -147,7 +148,9 @@ class RingStats:
     compute_s: float = 0.0  # wall seconds in block math
     compute_cpu_s: float = 0.0  # this thread's CPU seconds in block math (fair on a busy CPU)
     wait_s: float = 0.0  # wall seconds blocked on a K/V or dK/dV transfer
-    blocks: int = 0
+    blocks: int = 0  # the (q chunk, k chunk) products the forward ran
+    flops: int = 0  # what those products cost, counted by torch's FlopCounterMode as they ran
+    count_flops: bool = False  # count them (the counter's dispatch would skew compute_s)
     calls: list = field(default_factory=list)
 
     def add(self, key: str, seconds: float) -> None:
@@ -183,6 +186,28 @@ class _Clock:
                 self.stats.add("compute_cpu_s", time.thread_time() - self.c0)
 
 
+class _Flops:
+    """Counts the block products a forward step runs and their matmul FLOPs (FlopCounterMode,
+    from the ops as they execute) into a RingStats; nothing without one."""
+
+    def __init__(self, stats: RingStats | None):
+        self.stats, self.blocks = stats, 0
+        counting = stats is not None and stats.count_flops
+        self.mode = FlopCounterMode(display=False) if counting else None
+
+    def __enter__(self):
+        if self.mode is not None:
+            self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+            self.stats.flops += self.mode.get_total_flops()
+        if self.stats is not None:
+            self.stats.blocks += self.blocks
+
+
 def _wait(requests, stats, device):
     with _Clock(stats, "wait_s", device):
         for req in requests:
@@ -208,13 +233,12 @@ class RingAttentionFunction(torch.autograd.Function):
         for step, (_, pairs) in enumerate(steps):
             if step < cp - 1:  # the next block is on its way while this one computes
                 next_kv, requests = _ring_send_recv(kv, group, KV_TAG)
-            with _Clock(stats, "compute_s", q.device):
+            with _Clock(stats, "compute_s", q.device), _Flops(stats) as counted:
                 ks, vs = kv[0].to(acc).chunk(n, dim=2), kv[1].to(acc).chunk(n, dim=2)
                 for a, b, kind in pairs:
                     o, lse = _block_forward(qs[a], ks[b], vs[b], scale, kind == "diagonal")
                     outs[a], lses[a] = _merge(outs[a], lses[a], o, lse)
-            if stats is not None:
-                stats.blocks += len(pairs)
+                    counted.blocks += 1  # a product that ran, here, not one ring_pairs listed
             if step < cp - 1:
                 _wait(requests, stats, q.device)
                 kv = next_kv

@@ -89,7 +89,7 @@ def _attention(grid):
         for dtype in FP:
             q, k, v, do = (cp_shard(t, r, cp, split, dim=2) for t in _qkv_do(dtype))
             q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-            stats = RingStats()
+            stats = RingStats(count_flops=True)
             with CommCounter(group=g) as fwd:
                 if attn == "ring":
                     o = ring_attention(q, k, v, g, split, causal, stats)
@@ -101,6 +101,7 @@ def _attention(grid):
                 grads=[t.detach() for t in (o, q.grad, k.grad, v.grad)],
                 sent=[c.ring_bytes_per_rank() for c in (fwd, bwd)],
                 blocks=stats.blocks,
+                flops=stats.flops,
             )
     return out
 
@@ -376,8 +377,13 @@ def test_blocks_computed_per_rank_follow_the_split_and_zigzag_balances_them(worl
     cp, ranks = world
     for split in ("contiguous", "zigzag"):
         work = attention_work(cp, split)
-        got = [res["attention"]["ring", split, True, torch.float64]["blocks"] for res in ranks]
-        assert got == [w["blocks"] for w in work]
+        got = [res["attention"]["ring", split, True, torch.float64] for res in ranks]
+        assert [g["blocks"] for g in got] == [w["blocks"] for w in work]
+        # what ran, counted by torch: QK^T and PV of a (c x hs) chunk pair are 2 x 2 c^2 hs FLOPs
+        # per (batch, head), c = T / cp (contiguous) or T / 2cp (zig-zag); no other matmul
+        c = ATT["T"] // (cp if split == "contiguous" else 2 * cp)
+        per_block = 2 * 2 * c * c * ATT["hs"] * ATT["B"] * ATT["nh"]
+        assert [g["flops"] for g in got] == [w["blocks"] * per_block for w in work]
     contiguous = attention_work(cp, "contiguous")
     assert [w["blocks"] for w in contiguous] == list(range(1, cp + 1))  # rank r: r + 1 blocks
     assert imbalance(w["needed"] for w in contiguous) == pytest.approx((cp - 0.5) / (cp / 2))
