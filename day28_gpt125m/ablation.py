@@ -99,7 +99,8 @@ def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
     # the first step allocates, selects kernels, and (compile) compiles: left out of the timing
     times, losses = timed_steps(model, opt, r, tokens, cfg.seq_len, cfg.batch_size,
                                 steps=cfg.steps, warmup=1)  # fmt: skip
-    return dict(ms=statistics.median(times) * 1e3, losses=losses)
+    params = {n: p.detach().clone() for n, p in gpt.named_parameters()}  # after the last step
+    return dict(ms=statistics.median(times) * 1e3, losses=losses, params=params)
 
 
 def timed_steps(model, opt, r: Recipe, tokens, seq_len: int, batch_size: int, *, steps: int,

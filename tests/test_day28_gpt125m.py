@@ -191,6 +191,29 @@ def test_the_recipe_is_gpt3_smalls_and_reaches_adamw_as_written():
     assert r.optim.deepspeed_params() == ds  # what the zero2/zero3 strategies hand DeepSpeed
 
 
+def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines():
+    """The two ablation rows no launch line runs here (its smoke run measures attention only):
+    fused AdamW against the for-loop, torch.compile (inductor, on the CPU) against eager, the
+    same steps, losses and final parameters."""
+    from day28_gpt125m import ablation
+    from dtl.data import load_corpus
+
+    # no biases: no gradient is rounding noise that Adam would blow up to a step of lr
+    cfg = ablation.Config(model="tiny-nobias", seq_len=16, batch_size=2, steps=2)
+    tokens = load_corpus(tokenizer="byte").train
+    cpu = torch.device("cpu")
+    run = {n: ablation.measure(cfg, ablation.VARIANTS[n], tokens, cpu) for n in (
+        "AdamW: for-loop", "AdamW: fused", "compile: eager", "compile: torch.compile"
+    )}  # fmt: skip
+    for new, base, tol in (
+        ("AdamW: fused", "AdamW: for-loop", 1e-6),
+        ("compile: torch.compile", "compile: eager", 1e-5),  # inductor reorders float sums
+    ):
+        torch.testing.assert_close(run[new]["losses"], run[base]["losses"], rtol=tol, atol=0)
+        for name, p in run[base]["params"].items():
+            torch.testing.assert_close(run[new]["params"][name], p, rtol=0, atol=tol)
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
