@@ -21,6 +21,7 @@ from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig
 from dtl.optim import OptimConfig
 from dtl.precision import PRECISIONS, Precision, at_least_fp32
+from dtl.state import StateBytes, nbytes, optimizer_state_bytes
 
 
 @dataclass
@@ -158,3 +159,19 @@ def train_step(parts: Parts, forward_step, mbs, *, seq_length: int, micro_batch_
     # the loss exists on the last pipeline stage only (one dict per micro-batch)
     loss = sum(o["lm loss"].item() for o in outputs) / len(mbs) if outputs else 0.0
     return loss, grad_norm
+
+
+def state_bytes(parts: Parts) -> StateBytes:
+    """This rank's model state as megatron holds it: the chunks' parameters, their gradients
+    (DDP's main_grad views into its fp32 grad buffer: grad_reduce_in_fp32) and the optimizer's
+    tensors (Adam's m and v; with the distributed optimizer, over this rank's shard only; in
+    fp32 its "main" parameters are views of the model's, no copy). Counted before the next
+    step's zeroing, when all three exist."""
+    params = [p for chunk in parts.chunks for p in chunk.parameters()]
+    grads = sum(nbytes(p.main_grad) for p in params if getattr(p, "main_grad", None) is not None)
+    inner = getattr(parts.optimizer, "optimizer", parts.optimizer)  # torch's Adam inside
+    return StateBytes(
+        params=sum(nbytes(p) for p in params),
+        grads=grads,
+        optim=optimizer_state_bytes(inner, counters=False),
+    )

@@ -158,8 +158,9 @@ def micro_batches(tokens, cfg: Config, ds: dict, step: int, info) -> list:
     ]
 
 
-def train_step(engine, mbs) -> float:
-    """One optimizer step: DeepSpeed counts micro-steps and steps at the accumulation boundary."""
+def train_step(engine, mbs) -> tuple[float, float]:
+    """One optimizer step: DeepSpeed counts micro-steps and steps at the accumulation boundary.
+    Returns this rank's mean loss and the global gradient norm before clipping (DeepSpeed's)."""
     from dtl.model import loss_fn
 
     total = 0.0
@@ -168,7 +169,7 @@ def train_step(engine, mbs) -> float:
         engine.backward(loss)
         engine.step()
         total += loss.item()
-    return total / len(mbs)
+    return total / len(mbs), float(engine.get_global_grad_norm())
 
 
 def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
@@ -189,11 +190,12 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
         dtl_dist.print0(f"resumed from {cfg.ckpt_dir} at step {first_step}")
     rows = ds["train_micro_batch_size_per_gpu"] * ds.get("gradient_accumulation_steps", 1)
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=rows * info.world_size * cfg.seq_len)
-    losses, times, swapped = [], [], []
+    losses, norms, times, swapped = [], [], [], []
     for step in range(first_step, cfg.steps):
         mbs = micro_batches(corpus.train, cfg, ds, step, info)
         io0, t0 = measure.io_bytes(), time.perf_counter()
-        loss = train_step(engine, mbs)
+        loss, norm = train_step(engine, mbs)
+        norms.append(norm)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         times.append(time.perf_counter() - t0)
@@ -216,7 +218,8 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
     log.close()
     peak.remove()  # the hooks sample every module; a later use of the engine runs without them
     return dict(
-        engine=engine, ds=ds, losses=losses, times=times, swapped=swapped, corpus=corpus,
+        engine=engine, ds=ds, losses=losses, norms=norms, times=times, swapped=swapped,
+        corpus=corpus,
         where=measure.locations(engine, info.rank, peak), **states,
     )  # fmt: skip
 
@@ -272,16 +275,20 @@ def _compare(cfg: Config, info, result: dict) -> Verdict:
     )
 
     def one_process():
+        norms: list[float] = []
         losses, gpt = one_process_gpt(
             cfg.model_config(), result["corpus"].train, seq_len=cfg.seq_len,
             rows=rows * info.world_size, steps=cfg.steps, seed=cfg.seed, lr=opt["lr"],
             weight_decay=opt["weight_decay"], eps=opt["eps"], clip_grad=opt["clip"] or None,
+            grad_norms=norms,
         )  # fmt: skip
-        return losses, dict(gpt.named_parameters())
+        return losses, dict(gpt.named_parameters()), norms
 
+    # the norms too: the templates clip at 1.0, and clipping plus Adam hide a constant factor
     return reference_verdict(
-        result["losses"], full, one_process, steps=cfg.steps, device=info.device, optimizer="AdamW"
-    )
+        result["losses"], full, one_process, steps=cfg.steps, device=info.device,
+        optimizer="AdamW", grad_norms=result["norms"],
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

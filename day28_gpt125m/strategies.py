@@ -348,13 +348,16 @@ class Megatron(Strategy):
 
     name = "megatron"
     model_parallel = True
-    measures_state = False
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
 
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
         # its DistributedOptimizer shards Adam's m and v (and the fp32 grads) over dp
         return _fullest_stage(m, world, tp, pp, distopt=True), 0.0
+
+    @classmethod
+    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, pp_rank=0, precision="fp32"):
+        return _stage_state(m, world, tp, pp, pp_rank, distopt=True)
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, seq_len: int, seed: int, steps: int, **_):  # fmt: skip
@@ -379,6 +382,8 @@ class Megatron(Strategy):
             self.parts, self.forward_step, micro_batches, seq_length=self.seq_len,
             micro_batch_size=self.micro_batch,
         )  # fmt: skip
+        if self.measure_state:  # after the step: main_grad and Adam's state both still held
+            self.last_state = self.mcore.state_bytes(self.parts)
         return loss, float(norm)
 
     def full_parameters(self):

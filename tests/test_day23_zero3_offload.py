@@ -76,7 +76,8 @@ def _runs(tmp, names):
         ds = _ds(cfg, name)
         r = train.run(cfg, info, ds)
         out[name] = dict(
-            losses=r["losses"], where=r["where"], swapped=r["swapped"], ds=ds, saved=r["saved"],
+            losses=r["losses"], norms=r["norms"], where=r["where"], swapped=r["swapped"], ds=ds,
+            saved=r["saved"],
             full=train.full_parameters(r["engine"]),
         )  # fmt: skip
         del r
@@ -104,11 +105,13 @@ def runs(tmp_path_factory):
 def _one_process():
     from dtl.data import load_corpus
 
+    norms: list[float] = []
     losses, gpt = one_process_gpt(
         preset("tiny", vocab_size=VOCAB), load_corpus(tokenizer="byte").train, seq_len=T,
         rows=2 * 2, steps=K, lr=1e-3, weight_decay=0.1, eps=1e-8, clip_grad=1.0,
+        grad_norms=norms,
     )  # fmt: skip
-    return losses, dict(gpt.named_parameters())
+    return losses, dict(gpt.named_parameters()), norms
 
 
 TEMPLATES = [
@@ -124,8 +127,10 @@ TEMPLATES = [
 def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
     base = runs["zero3"]["losses"]
     torch.testing.assert_close(runs[name]["losses"], base, rtol=1e-5, atol=0)
-    ref_losses, ref_params = _one_process()
+    ref_losses, ref_params, ref_norms = _one_process()
     torch.testing.assert_close(runs[name]["losses"], ref_losses, rtol=1e-5, atol=0)
+    # clipping at 1.0 and Adam would hide a gradient off by a constant: the norms show it
+    torch.testing.assert_close(runs[name]["norms"], ref_norms, rtol=1e-5, atol=0)
     gap = max(
         (runs[name]["full"][k] - ref_params[k].detach()).abs().max().item() for k in ref_params
     )
