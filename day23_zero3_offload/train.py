@@ -158,6 +158,9 @@ def micro_batches(tokens, cfg: Config, ds: dict, step: int, info) -> list:
     ]
 
 
+NORM_RTOL = 1e-3  # the gradient norms against one process (see _compare)
+
+
 def train_step(engine, mbs) -> tuple[float, float]:
     """One optimizer step: DeepSpeed counts micro-steps and steps at the accumulation boundary.
     Returns this rank's mean loss and the global gradient norm before clipping (DeepSpeed's)."""
@@ -284,10 +287,14 @@ def _compare(cfg: Config, info, result: dict) -> Verdict:
         )  # fmt: skip
         return losses, dict(gpt.named_parameters()), norms
 
-    # the norms too: the templates clip at 1.0, and clipping plus Adam hide a constant factor
+    # the norms too: the templates clip at 1.0, and clipping plus Adam hide a constant factor.
+    # At NORM_RTOL, not 1e-5: after the first update the two runs' weights differ where Adam
+    # divides rounding noise (params max |diff| 1.9e-5), and the next norms, taken at those
+    # weights, move more than the losses: 4.0e-4 on `small` over 4 steps, 2.0e-5 on the tests'
+    # tiny model. A gradient off by a constant factor is off by that factor: 1e-3 sees it.
     return reference_verdict(
         result["losses"], full, one_process, steps=cfg.steps, device=info.device,
-        optimizer="AdamW", grad_norms=result["norms"],
+        optimizer="AdamW", grad_norms=result["norms"], norm_rtol=NORM_RTOL,
     )  # fmt: skip
 
 

@@ -153,6 +153,7 @@ class Verdict:
     optimizer: str = "AdamW"
     norm_rel: float | None = None
     atol: float = PARAMS_ATOL
+    norm_rtol: float | None = None  # the norms' own tolerance where it differs from rtol
     counts: str = ""
     skipped: str = ""
 
@@ -167,9 +168,10 @@ class Verdict:
         if self.skipped:
             return self.skipped
         short = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731  1e-5, as notes print it
+        norm_tol = self.rtol if self.norm_rtol is None else self.norm_rtol
         norms = (
             "" if self.norm_rel is None
-            else f"grad norms max rel diff {self.norm_rel:.1e}, rtol {short(self.rtol)}; "
+            else f"grad norms max rel diff {self.norm_rel:.1e}, rtol {short(norm_tol)}; "
         )  # fmt: skip
         counts = f"; {self.counts}" if self.counts else ""
         return (
@@ -209,6 +211,7 @@ def reference_verdict(
     atol: float = PARAMS_ATOL,
     optimizer: str = "AdamW",
     grad_norms: list[float] | None = None,
+    norm_rtol: float | None = None,
 ) -> Verdict:
     """The check a training script ends with, the same Verdict on every rank.
 
@@ -217,7 +220,8 @@ def reference_verdict(
     full tensor, on rank 0) and `grad_norms` are the parallel run's. Judged: the losses (and the
     norms, where both runs gave them) within `rtol`, the parameters after the last step within
     `atol` (the loss of step k sees only the updates before it: the last update shows in the
-    parameters alone), and `steps` values on each side. The numbers are broadcast (on `device`:
+    parameters alone), and `steps` values on each side. `norm_rtol`: the norms' tolerance, where a
+    script states another than `rtol` (and why). The numbers are broadcast (on `device`:
     NCCL needs CUDA tensors) so every rank prints and exits alike.
     """
     # loss_rel, params gap, norm_rel, then the four series' lengths (-1: not judged)
@@ -235,11 +239,12 @@ def reference_verdict(
     dist.broadcast(numbers, src=0)  # (7,) float64 from rank 0 -> every rank
     loss_rel, gap, norm_rel, *lengths = numbers.tolist()
     counts = _count_gaps(steps, {k: int(n) for k, n in zip(SERIES, lengths)})
-    ok = loss_rel <= rtol and gap <= atol and norm_rel <= rtol and not counts
+    norm_tol = rtol if norm_rtol is None else norm_rtol
+    ok = loss_rel <= rtol and gap <= atol and norm_rel <= norm_tol and not counts
     return Verdict(
         ok=ok, loss_rel=loss_rel, params_gap=gap, rtol=rtol, steps=steps, what=what,
         optimizer=optimizer, norm_rel=None if norm_rel < 0 else norm_rel, atol=atol,
-        counts=counts,
+        norm_rtol=norm_rtol, counts=counts,
     )  # fmt: skip
 
 
