@@ -270,20 +270,27 @@ def _fullest_stage(m: GPTConfig, world: int, tp: int, pp: int, distopt: bool) ->
     return max(_stage_state(m, world, tp, pp, r, distopt) for r in range(pp))
 
 
-@register
-class OurTPPP(Strategy):
-    """Day 22's stack: TP over grid.tp_group, the pipeline over grid.pp_group, DP beside."""
+class Pipelined(Strategy):
+    """TP x PP x DP: each stage's state by day 22's formulas (the first stage holds the
+    embedding, the last the head); `distributed_optimizer`: Adam's m and v sharded over dp."""
 
-    name = "tp_pp"
     model_parallel = True
+    distributed_optimizer = False
 
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
-        return _fullest_stage(m, world, tp, pp, distopt=False), 0.0
+        return _fullest_stage(m, world, tp, pp, distopt=cls.distributed_optimizer), 0.0
 
     @classmethod
     def predicted_rank_state(cls, m, *, world, tp=1, pp=1, pp_rank=0, precision="fp32"):
-        return _stage_state(m, world, tp, pp, pp_rank, distopt=False)
+        return _stage_state(m, world, tp, pp, pp_rank, distopt=cls.distributed_optimizer)
+
+
+@register
+class OurTPPP(Pipelined):
+    """Day 22's stack: TP over grid.tp_group, the pipeline over grid.pp_group, DP beside."""
+
+    name = "tp_pp"
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, accum: int, seq_len: int, seed: int, **_):  # fmt: skip
@@ -343,21 +350,12 @@ class OurTPPP(Strategy):
 
 
 @register
-class Megatron(Strategy):
+class Megatron(Pipelined):
     """megatron-core itself (day 22's mcore library), the recipe's lr set per step."""
 
     name = "megatron"
-    model_parallel = True
+    distributed_optimizer = True  # its DistributedOptimizer: Adam's m and v sharded over dp
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
-
-    @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
-        # its DistributedOptimizer shards Adam's m and v (and the fp32 grads) over dp
-        return _fullest_stage(m, world, tp, pp, distopt=True), 0.0
-
-    @classmethod
-    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, pp_rank=0, precision="fp32"):
-        return _stage_state(m, world, tp, pp, pp_rank, distopt=True)
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, seq_len: int, seed: int, steps: int, **_):  # fmt: skip
