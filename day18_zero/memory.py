@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     measured = measure_all(cfg, info)
+    ok = True
     if info.is_main:
         gpt = GPT(preset(cfg.model), seed=0)
         psi = sum(p.numel() for p in gpt.parameters())
@@ -256,13 +257,17 @@ def main(argv: list[str] | None = None) -> None:
         plot(rows, psi, png)
         print(f"wrote {png}", flush=True)
         sizes = ", ".join(map(str, measured_sizes(info.world_size)))
+        got = [r for r in rows if r["measured_mb"] is not None]
+        exact = sum(r["measured_mb"] == r["formula_mb"] for r in got)  # to the byte (see table)
+        ok = exact == len(got)
         print(
             f"summary: memory measured at N = {sizes} for stages 0-3 in fp32 and mixed "
-            f"precision: worst |measured - formula| = {worst:.2%} of the formula",
+            f"precision: worst |measured - formula| = {worst:.2%} of the formula; "
+            f"{exact}/{len(got)} measured rows exact to the byte",
             flush=True,
         )
         print(f"summary: {paper_line()}", flush=True)
-    dtl_dist.cleanup()
+    dtl_dist.finish(ok)  # exit 1 when a measured row is off the formula by a byte
 
 
 if __name__ == "__main__":

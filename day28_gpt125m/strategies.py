@@ -96,8 +96,11 @@ class TorchData(Strategy):
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.measure_state:
-            # an FSDP2 parameter counts its local shard only: what is in this rank's memory
-            self.last_state = live_state_bytes(self.gpt.parameters(), self.optimizer)
+            # an FSDP2 parameter counts its local shard only: what is in this rank's memory;
+            # AdamW's 4-byte step counters are no per-parameter state (the formula's 16 Ψ)
+            self.last_state = live_state_bytes(
+                self.gpt.parameters(), self.optimizer, counters=False
+            )
         self.optimizer.zero_grad(set_to_none=True)
         return total, float(norm)
 

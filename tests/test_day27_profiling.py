@@ -38,6 +38,7 @@ def test_conventions_differ_exactly_by_the_attention_and_recompute_terms():
     # the output layer is not recomputed, so its 6·h·V per token is in both
     L, h = cfg.n_layer, cfg.n_embd
     assert hfu - megatron == pytest.approx(24 * L * h * h * (1 + 1024 / (6 * h)))
+    assert hfu - megatron == 207_618_048  # exactly, as the notes say, for GPT-2 124M at s = 1024
     with pytest.raises(ValueError, match="unknown convention"):
         mfu.flops_per_token(cfg, 1024, "chinchilla")
 
