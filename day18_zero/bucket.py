@@ -45,7 +45,10 @@ class Bucket:
         # ("master") in bf16 or when the optimizer is offloaded (ZeRO-Offload: the copy lives in
         # CPU memory, so the optimizer's m and v are created there too, and its step runs there)
         master_dtype = at_least_fp32(self.dtype)  # never narrower than the parameters
-        if self.dtype == master_dtype and not offload:
+        # a separate copy or the slice itself: said once, here (a data_ptr comparison would mean
+        # nothing under dtl.simulate's fake tensors)
+        self.master_is_copy = self.dtype != master_dtype or offload
+        if not self.master_is_copy:
             self.master = nn.Parameter(self.param_shard)  # shares the slice's memory
         else:
             home = "cpu" if offload else self.param_shard.device  # bf16 alone: stays on device

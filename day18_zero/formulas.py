@@ -39,16 +39,18 @@ def model_state_bytes(
 ) -> StateBytes:
     """Bytes per rank of parameters, gradients and optimizer state under ZeRO stage `stage`.
 
-    `padded`: the elements an implementation shards, Ψ rounded up so that every flat buffer
-    splits into N equal slices (hand ZeRO pads each bucket to a multiple of N): a sharded kind
-    holds padded / N of them, a replicated one the Ψ real ones. None: the paper's Ψ / N."""
+    `padded`: the elements an implementation holds per copy, Ψ rounded up so that every flat
+    buffer splits into N equal slices (hand ZeRO pads each bucket to a multiple of N, and keeps
+    even its whole copies in those buckets): a sharded kind holds padded / N, a replicated one
+    padded. None: the paper's Ψ and Ψ / N."""
     if stage not in STAGES_ALL:
         raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of 0, 1, 2, 3")
-    shard = (psi if padded is None else padded) / n  # elements in this rank's slice
+    whole = psi if padded is None else padded  # elements in a whole copy
+    shard = whole / n  # elements in this rank's slice
     return StateBytes(
-        params=precision.param * (shard if stage >= 3 else psi),
-        grads=precision.grad * (shard if stage >= 2 else psi),
-        optim=precision.optim * (shard if stage >= 1 else psi),
+        params=precision.param * (shard if stage >= 3 else whole),
+        grads=precision.grad * (shard if stage >= 2 else whole),
+        optim=precision.optim * (shard if stage >= 1 else whole),
     )
 
 

@@ -43,6 +43,11 @@ class Trainer:
         The model state is counted just before the optimizer step, when all three kinds exist:
         the gradients of this step and the optimizer state of the previous ones.
         """
+        return self.run_step(micro_batches).item()
+
+    def run_step(self, micro_batches) -> torch.Tensor:
+        """step() without reading the loss back to the host: the mean loss as a 0-dim tensor.
+        Under fake tensors (dtl.simulate: shapes, no data) this is the step that runs."""
         self.zero_grad()
         total, k = 0.0, len(micro_batches)
         for m, (x, y) in enumerate(micro_batches):
@@ -50,7 +55,7 @@ class Trainer:
             with self.accumulating(last):
                 loss = loss_fn(self.forward(x), y)
                 self.backward(loss, k)
-            total += loss.item()
+            total = total + loss.detach()
         self.bytes_before_step = self.state_bytes()
         self.optimizer_step()
         return total / k

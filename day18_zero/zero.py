@@ -286,7 +286,7 @@ class ZeroModel(nn.Module):
             b.master.grad = b.grad_shard.to(b.master.device, b.master.dtype)
         self.optimizer.step()  # touches only (P/N,) slices: 1/N of the optimizer's work and state
         for b in self.buckets:
-            if b.master.data_ptr() != b.param_shard.data_ptr():
+            if b.master_is_copy:
                 b.param_shard.copy_(b.master)  # fp32 master -> the slice (CPU -> device)
             if self.stage < 3:
                 # (P/N,) my new slice -> (P,) every rank's, into the model's parameters in place
@@ -315,11 +315,7 @@ class ZeroModel(nn.Module):
         grads = sum(nbytes(b.full_grads.data) for b in self.buckets if b.full_grads is not None)
         if self.stage >= 2:
             grads += sum(nbytes(b.grad_shard) for b in self.buckets)
-        masters = sum(
-            nbytes(b.master)
-            for b in self.buckets
-            if b.master.data_ptr() != b.param_shard.data_ptr()
-        )
+        masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_copy)
         # m and v; AdamW's step counters (one 0-dim tensor per slice, 4 B) are no per-parameter
         # state, and leaving them out makes the count equal the formula to the byte
         state = optimizer_state_bytes(self.optimizer, counters=False)

@@ -24,6 +24,12 @@ CASES = {
         (["--steps=2", "--warmup=2"], "steps (2) must exceed warmup (2)"),
         (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
     ],
+    "day18_zero.scale": [
+        (["--models=gpt5"], "unknown model(s) ['gpt5']"),
+        (["--ns=8,abc"], "ns must be comma-separated integers"),
+        (["--stages=4"], "stages out of range: '4'"),
+        (["--precision=fp16"], "precision fp16 needs a loss scaler"),
+    ],
     "day18_zero.memory": [
         (["--model=nope"], "unknown model 'nope'"),
         (["--batch_size=0"], "'batch_size' must be an integer >= 1"),
