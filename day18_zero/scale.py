@@ -74,7 +74,7 @@ def simulate(model: GPTConfig, stage: int, n: int, precision: str, seq_len: int 
         finally:
             torch.set_default_dtype(default)
         trainer = engines.HandZero(gpt, stage, None, OptimConfig(), no_sync=True)
-        x = torch.randint(0, model.vocab_size, (1, seq_len + 1))
+        x = torch.randint(0, model.vocab_size, (1, seq_len + 1))  # host: fake, no device runs
         batch = [(x[:, :-1], x[:, 1:])]
         trainer.run_step(batch)  # the optimizer state exists from the first step on
         with CommCounter() as comm:
