@@ -51,12 +51,12 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in MODELS]
         if unknown:
             raise err(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
-        for key in ("ns", "stages"):
+        for key, allowed in (("ns", lambda v: v >= 1), ("stages", lambda v: v in (1, 2, 3))):
             try:
                 values = [int(v) for v in getattr(self, key).split(",")]
             except ValueError:
                 raise err(f"{key} must be comma-separated integers") from None
-            if key == "ns" and min(values) < 1 or key == "stages" and not set(values) <= {1, 2, 3}:
+            if not all(map(allowed, values)):
                 raise err(f"{key} out of range: {getattr(self, key)!r}")
         if PRECISIONS[self.precision].loss_scaling:
             raise err(f"precision {self.precision} needs a loss scaler the hand engine lacks")
@@ -75,12 +75,18 @@ def simulate(model: GPTConfig, stage: int, n: int, precision: str, seq_len: int 
             torch.set_default_dtype(default)
         trainer = engines.HandZero(gpt, stage, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, model.vocab_size, (1, seq_len + 1))  # host: fake, no device runs
-        batch = [(x[:, :-1], x[:, 1:])]
-        trainer.run_step(batch)  # the optimizer state exists from the first step on
-        with CommCounter() as comm:
-            trainer.run_step(batch)
-        held: StateBytes = trainer.bytes_before_step
-        return dict(held=held, padded=trainer.padded_numel(), sent=sum(comm.ring_bytes.values()))
+        return two_steps(trainer, [(x[:, :-1], x[:, 1:])])
+
+
+def two_steps(trainer: engines.Trainer, batch) -> dict:
+    """Two optimizer steps on `batch`, the second counted (the optimizer state exists from the
+    first on): the state held before its update, the Ψ the buckets padded to, and the ring
+    bytes sent. What simulate() reads at scale, and the tests read from a real gloo run."""
+    trainer.run_step(batch)
+    with CommCounter() as comm:
+        trainer.run_step(batch)
+    held: StateBytes = trainer.bytes_before_step
+    return dict(held=held, padded=trainer.padded_numel(), sent=sum(comm.ring_bytes.values()))
 
 
 def row(name: str, stage: int, n: int, precision: str, seq_len: int) -> dict:

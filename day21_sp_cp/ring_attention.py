@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtl.data import cp_chunks
+from dtl.precision import at_least_fp32
 
 KV_TAG, DKV_TAG = 21, 22  # gloo matches p2p messages by tag; NCCL ignores tags (the order holds)
 
@@ -214,11 +215,6 @@ def _wait(requests, stats, device):
             req.wait()
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Merge and accumulate in at least fp32 (16-bit inputs), fp64 stays fp64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, split, causal, stats):
@@ -226,7 +222,7 @@ class RingAttentionFunction(torch.autograd.Function):
         steps = ring_pairs(rank, cp, split, causal)
         n = len(cp_chunks(rank, cp, split))  # chunks per rank: 1 or 2
         scale = 1.0 / math.sqrt(q.size(-1))
-        acc = _acc_dtype(q.dtype)
+        acc = at_least_fp32(q.dtype)  # merge and accumulate in fp32 or wider (fp64 stays)
         qs = q.to(acc).chunk(n, dim=2)
         outs, lses = [None] * n, [None] * n
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs): K and V travel as one message
@@ -263,7 +259,7 @@ class RingAttentionFunction(torch.autograd.Function):
         steps = ring_pairs(rank, cp, ctx.split, ctx.causal)
         n = len(cp_chunks(rank, cp, ctx.split))
         scale = 1.0 / math.sqrt(q.size(-1))
-        acc = _acc_dtype(q.dtype)
+        acc = at_least_fp32(q.dtype)  # merge and accumulate in fp32 or wider (fp64 stays)
         qs = q.to(acc).chunk(n, dim=2)
         dos = grad_out.to(acc).chunk(n, dim=2)
         # D_i = sum_d dO_id O_id: the softmax backward's row term, once per query

@@ -381,7 +381,8 @@ def parse(cls, argv: list[str] | None = None):
 
 def to_dict(cfg) -> dict:
     """The settable fields and their values (derived fields left out)."""
-    return {f.name: dataclasses.asdict(cfg)[f.name] for f in settable_fields(type(cfg))}
+    values = dataclasses.asdict(cfg)  # once: it deep-copies every field
+    return {f.name: values[f.name] for f in settable_fields(type(cfg))}
 
 
 def describe(cfg) -> str:

@@ -54,15 +54,24 @@ def needs_extras(*extras: str):
     optional Python extras. `make test` sets DTL_REQUIRE_EXTRAS=1, and tests/conftest.py then
     turns such a skip into a failure: the suite that CI runs has them installed, so a skip there
     would hide a broken install, never excuse it. (libaio is a system package: not an extra.)"""
-    import importlib.util
-
     import pytest
 
-    modules = {"deepspeed": "deepspeed", "megatron": "megatron.core"}
-    missing = [e for e in extras if importlib.util.find_spec(modules.get(e, e).split(".")[0])
-               is None or importlib.util.find_spec(modules.get(e, e)) is None]  # fmt: skip
+    missing = [e for e in extras if not _installed(EXTRA_MODULES.get(e, e))]
     why = f"{MISSING_EXTRA}: {', '.join(missing)} (pip install -e '.[{','.join(missing)}]')"
     return pytest.mark.skipif(bool(missing), reason=why)
+
+
+EXTRA_MODULES = {"deepspeed": "deepspeed", "megatron": "megatron.core"}  # extra -> what it installs
+
+
+def _installed(module: str) -> bool:
+    """`module` importable (find_spec of a dotted name needs its parent package to exist)."""
+    import importlib.util
+
+    parent = module.split(".")[0]
+    return importlib.util.find_spec(parent) is not None and (
+        importlib.util.find_spec(module) is not None
+    )
 
 
 class RankFailed(AssertionError):

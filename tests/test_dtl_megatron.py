@@ -1,8 +1,6 @@
 """dtl.megatron: megatron-core's groups equal the grid's, a wrong order is caught, megatron's TP
 layers match a dense MLP on CPU under the shim, and the shim undoes itself and refuses correctly."""
 
-import importlib.util
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,8 +8,9 @@ import torch.nn.functional as F
 
 from dtl.testing import needs_extras
 
-if importlib.util.find_spec("megatron") is None:  # the file imports it: skip (make test: fail)
-    pytest.skip(allow_module_level=True, reason=needs_extras("megatron").kwargs["reason"])
+NEEDS_MEGATRON = needs_extras("megatron")
+if NEEDS_MEGATRON.args[0]:  # missing: the file imports it, so skip here (make test: fail)
+    pytest.skip(allow_module_level=True, reason=NEEDS_MEGATRON.kwargs["reason"])
 
 from megatron.core import package_info, tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402

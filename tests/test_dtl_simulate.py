@@ -9,7 +9,6 @@ import torch
 
 from day18_zero import engines, scale
 from day18_zero import formulas as zero_formulas
-from dtl.comm import CommCounter
 from dtl.model import GPT, num_params, preset
 from dtl.optim import OptimConfig
 from dtl.precision import PRECISIONS
@@ -27,14 +26,8 @@ def _real_hand_zero():
         gpt = GPT(MODEL, seed=0).to(PRECISIONS[precision].dtype)
         trainer = engines.HandZero(gpt, stage, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, MODEL.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
-        batch = [(x[:, :-1], x[:, 1:])]
-        trainer.run_step(batch)
-        with CommCounter() as comm:
-            trainer.run_step(batch)
-        out[stage, precision] = dict(
-            held=dict(trainer.bytes_before_step), padded=trainer.padded_numel(),
-            sent=sum(comm.ring_bytes.values()),
-        )  # fmt: skip
+        got = scale.two_steps(trainer, [(x[:, :-1], x[:, 1:])])  # what simulate() counts
+        out[stage, precision] = dict(got, held=dict(got["held"]))
     return out
 
 
