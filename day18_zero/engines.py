@@ -17,6 +17,7 @@ The interface they share, Trainer, is trainer.py.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -175,6 +176,10 @@ class TorchFSDP2(Trainer):
             "" if reshard else " (reshard_after_forward=False)"
         )
 
+    def state_precision(self, precision):
+        """torch's AdamW on parameters in the training dtype: m and v in that dtype, no master."""
+        return replace(precision, name=f"{precision.name}, no master", optim=2 * precision.param)
+
     def formula_stage(self):
         return 3  # at rest (where state_bytes counts) both FSDP2 variants hold 1/N of everything
 
@@ -189,10 +194,19 @@ class TorchFSDP2(Trainer):
         self.optimizer.step()
 
     def state_bytes(self):
-        return live_state_bytes(self.model.parameters(), self.optimizer)
+        # AdamW's step counters (one 0-dim tensor per parameter) are no per-parameter state
+        return live_state_bytes(self.model.parameters(), self.optimizer, counters=False)
 
     def full_parameters(self):
         return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+
+    def padded_numel(self):
+        """FSDP2 cuts every parameter on dim 0 into N equal rows-slices: dim 0 padded to a
+        multiple of N (a (50, 64) weight at N = 64 holds one row of 64 per rank)."""
+        n = dist.get_world_size(self.group)
+        return sum(
+            -(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.model.parameters()
+        )
 
 
 def build(

@@ -1,14 +1,20 @@
-"""Day 18 at scale: our hand ZeRO-1/2/3 as one rank of 8, 64 and 1,024, simulated in one process.
+"""Day 18 at scale: our hand ZeRO-1/2/3 and torch's FSDP2 as one rank of 8, 64 and 1,024,
+simulated in one process.
 
     torchrun --standalone --nproc_per_node=1 -m day18_zero.scale
-    ... --models=small,gpt-1.3b --ns=8,64,1024 --stages=1,2,3 --precision=bf16
+    ... --models=gpt-1.3b --ns=8,64,1024 --engines=hand-3,fsdp2-2,fsdp2-3 --precision=bf16
 
-memory.py measures N = 1, 2, 4 (the ranks this box has). Here the same engine runs as rank 0 of
+memory.py measures N = 1, 2, 4 (the ranks this box has). Here the same engines run as rank 0 of
 N ranks under dtl.simulate.fake_world: a fake process group of N ranks and fake tensors (shapes,
 no data), two optimizer steps, then what the rank holds (its live tensors, as memory.py counts
 them) and what it sent in the last step (dtl.comm.CommCounter, from the shapes), beside the
-formulas of formulas.py at the Ψ the engine padded to. A 1.3 B model at N = 1,024 takes about a
-second. What a simulation cannot see: dtl.simulate.CANNOT_SEE.
+formulas of formulas.py at the Ψ the engine padded to (our buckets pad each bucket to a multiple
+of N; FSDP2 pads each parameter's first dimension). A 1.3 B model takes about a second per row by
+hand and a few seconds with FSDP2 (10-20 s at N = 1,024: it cuts every parameter into N pieces).
+Engines: hand-1/2/3 (zero.ZeroModel), fsdp2-2 (fully_shard, reshard_after_forward=False) and
+fsdp2-3 (fully_shard). torch's stage 1 (DDP + ZeroRedundancyOptimizer) is not simulated: DDP's
+Reducer is C++ and reads its buckets back, which fake tensors cannot give.
+What a simulation cannot see: dtl.simulate.CANNOT_SEE.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ MODELS = {
 class Config:
     models: str = "small,gpt-1.3b"  # comma-separated: a GPT preset or gpt-1.3b
     ns: str = "8,64,1024"  # data-parallel world sizes to simulate
-    stages: str = "1,2,3"  # hand ZeRO stages
+    engines: str = "hand-1,hand-2,hand-3,fsdp2-3"  # <impl>-<stage>: hand-1..3, fsdp2-2, fsdp2-3
     precision: PrecisionName = "fp32"  # fp32 | bf16 (bf16 params and grads, fp32 masters)
     seq_len: int = 16  # tokens per sequence (activations are not in the table)
     out_dir: str = "outputs/day18_zero/scale"  # scale.csv: every row, formula and simulated
@@ -51,20 +57,31 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in MODELS]
         if unknown:
             raise err(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
-        for key, allowed in (("ns", lambda v: v >= 1), ("stages", lambda v: v in (1, 2, 3))):
-            try:
-                values = [int(v) for v in getattr(self, key).split(",")]
-            except ValueError:
-                raise err(f"{key} must be comma-separated integers") from None
-            if not all(map(allowed, values)):
-                raise err(f"{key} out of range: {getattr(self, key)!r}")
+        try:
+            ns = [int(v) for v in self.ns.split(",")]
+        except ValueError:
+            raise err("ns must be comma-separated integers") from None
+        if min(ns) < 1:
+            raise err(f"ns out of range: {self.ns!r}")
+        unknown = [e for e in self.engines.split(",") if e not in ENGINES]
+        if unknown:
+            raise err(f"unknown engine(s) {unknown}; {', '.join(ENGINES)}")
         if PRECISIONS[self.precision].loss_scaling:
             raise err(f"precision {self.precision} needs a loss scaler the hand engine lacks")
 
 
-def simulate(model: GPTConfig, stage: int, n: int, precision: str, seq_len: int = 16) -> dict:
-    """Rank 0 of `n` running hand ZeRO `stage`: its state before the second step's update, the
-    Ψ its buckets padded to, and the ring bytes it sent in that step."""
+# engine name -> (engines.build's impl, stage); "fsdp2" is impl "torch" at stages 2 and 3
+ENGINES = {
+    **{f"hand-{s}": ("hand", s) for s in (1, 2, 3)},
+    **{f"fsdp2-{s}": ("torch", s) for s in (2, 3)},
+}
+
+
+def simulate(
+    model: GPTConfig, stage: int, n: int, precision: str, seq_len: int = 16, impl: str = "hand"
+) -> dict:
+    """Rank 0 of `n` running `impl` ZeRO `stage`: its state before the second step's update, the
+    Ψ it padded to, and the ring bytes it sent in that step."""
     dtype = PRECISIONS[precision].dtype
     with fake_world(n):
         default = torch.get_default_dtype()
@@ -73,7 +90,7 @@ def simulate(model: GPTConfig, stage: int, n: int, precision: str, seq_len: int 
             gpt = GPT(model, seed=0)
         finally:
             torch.set_default_dtype(default)
-        trainer = engines.HandZero(gpt, stage, None, OptimConfig(), no_sync=True)
+        trainer = engines.build(impl, stage, gpt, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, model.vocab_size, (1, seq_len + 1))  # host: fake, no device runs
         return two_steps(trainer, [(x[:, :-1], x[:, 1:])])
 
@@ -86,19 +103,32 @@ def two_steps(trainer: engines.Trainer, batch) -> dict:
     with CommCounter() as comm:
         trainer.run_step(batch)
     held: StateBytes = trainer.bytes_before_step
-    return dict(held=held, padded=trainer.padded_numel(), sent=sum(comm.ring_bytes.values()))
-
-
-def row(name: str, stage: int, n: int, precision: str, seq_len: int) -> dict:
-    model = MODELS[name]
-    t0 = time.perf_counter()
-    sim = simulate(model, stage, n, precision, seq_len)
-    psi = num_params(model)  # a tied weight once
-    p = PRECISIONS[precision]
-    want = formulas.model_state_bytes(psi, n, stage, p, padded=sim["padded"])
-    elem = p.dtype.itemsize
     return dict(
-        model=name, stage=stage, N=n, psi=psi,
+        held=held,
+        padded=trainer.padded_numel(),
+        sent=sum(comm.ring_bytes.values()),
+        precision=trainer.state_precision(PRECISIONS[_precision_of(trainer)]),
+        formula_stage=trainer.formula_stage(),
+    )
+
+
+def _precision_of(trainer: engines.Trainer) -> str:
+    dtype = next(trainer.gpt.parameters()).dtype
+    return next(name for name, p in PRECISIONS.items() if p.dtype == dtype)
+
+
+def row(name: str, engine: str, n: int, precision: str, seq_len: int) -> dict:
+    model = MODELS[name]
+    impl, stage = ENGINES[engine]
+    t0 = time.perf_counter()
+    sim = simulate(model, stage, n, precision, seq_len, impl)
+    psi = num_params(model)  # a tied weight once
+    want = formulas.model_state_bytes(
+        psi, n, sim["formula_stage"], sim["precision"], padded=sim["padded"]
+    )
+    elem = PRECISIONS[precision].dtype.itemsize
+    return dict(
+        model=name, engine=engine, N=n, psi=psi,
         simulated=sum(sim["held"].values()), formula=want.total,
         sent=sim["sent"], sent_formula=formulas.comm_bytes_per_rank(sim["padded"], n, stage, elem),
         seconds=time.perf_counter() - t0,
@@ -109,20 +139,20 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before anything runs
     rows = []
     print(
-        f"hand ZeRO, rank 0 of N simulated ({cfg.precision}; MB = 10^6 bytes): model state "
+        f"ZeRO, rank 0 of N simulated ({cfg.precision}; MB = 10^6 bytes): model state "
         "held and ring bytes sent per step, simulated vs formulas.py at the padded Ψ"
     )
     print(
-        f"{'model':<10}{'stage':>6}{'N':>6}{'state sim':>12}{'formula':>12}"
+        f"{'model':<10}{'engine':>8}{'N':>6}{'state sim':>12}{'formula':>12}"
         f"{'sent sim':>12}{'formula':>12}{'s':>6}"
     )
     for name in cfg.models.split(","):
-        for stage in map(int, cfg.stages.split(",")):
+        for engine in cfg.engines.split(","):
             for n in map(int, cfg.ns.split(",")):
-                r = row(name, stage, n, cfg.precision, cfg.seq_len)
+                r = row(name, engine, n, cfg.precision, cfg.seq_len)
                 rows.append(r)
                 print(
-                    f"{name:<10}{stage:>6}{n:>6}{r['simulated'] / MB:>12.3f}"
+                    f"{name:<10}{engine:>8}{n:>6}{r['simulated'] / MB:>12.3f}"
                     f"{r['formula'] / MB:>12.3f}{r['sent'] / MB:>12.3f}"
                     f"{r['sent_formula'] / MB:>12.3f}{r['seconds']:>6.1f}",
                     flush=True,
@@ -134,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = ", ".join(cfg.ns.split(","))
     ok = state_gap == 0 and sent_gap == 0
     print(
-        f"summary: day18 scale, hand ZeRO {cfg.stages} at N = {ns} ({cfg.models}, "
+        f"summary: day18 scale, {cfg.engines} at N = {ns} ({cfg.models}, "
         f"{cfg.precision}): worst |simulated - formula| state {state_gap:.0f} B, sent "
         f"{sent_gap:.0f} B over {len(rows)} rows",
         flush=True,

@@ -34,17 +34,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from dtl.state import storage_key
+
 
 def saved_activation_bytes(module: nn.Module, *inputs) -> tuple[int, torch.Tensor]:
     """Bytes of the distinct tensors autograd saves during `module(*inputs)`, parameters left
     out (they exist anyway), each storage counted once (Q, K and V are views of one tensor)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {storage_key(p) for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage_key(t) not in params:
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

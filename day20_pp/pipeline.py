@@ -44,8 +44,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day20_pp.schedules import Action, Placement, p2p_lane
+from dtl import simulate
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.state import storage_key
 
 
 class PipelineError(ValueError):
@@ -101,12 +103,12 @@ class LiveActivations:
     (autograd saves the weights too, and they are alive all the time)."""
 
     def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.params = {storage_key(p) for p in params}
         self.count: dict[tuple[int, int], int] = {}
         self.key: tuple[int, int] | None = None  # the action running: (mb, chunk)
 
     def pack(self, t: torch.Tensor):
-        if self.key is None or t.untyped_storage().data_ptr() in self.params:
+        if self.key is None or storage_key(t) in self.params:
             return t
         return _Held(t, self)
 
@@ -214,7 +216,7 @@ class PipelineRunner:
         self.inputs[(mb, chunk)] = x
         if stage == self.n_stages - 1:
             out = self.loss_fn(out, self.batches[mb][1]) / self.m  # mean over micro-batches
-            self.loss += out.item()
+            self.loss += simulate.item(out)  # (nan under dtl.simulate: no values there)
         else:
             self.sends.append(
                 dist.isend(

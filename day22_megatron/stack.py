@@ -35,6 +35,7 @@ from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
 from day22_megatron.layouts import LayoutError
+from dtl import simulate
 from dtl.dist import average_gradients
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, tp_shard_of
@@ -87,7 +88,9 @@ def build_stack(
 ) -> Stack:
     sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
     check_stack(cfg, **sizes, seq_len=seq_len, attn=attn, sp=sp)
-    gpt = GPT(cfg, seed=seed).to(device)
+    gpt = GPT(cfg, seed=seed)
+    if next(gpt.parameters()).device != torch.device(device):
+        gpt = gpt.to(device)  # (not called when already there: fake tensors cannot be swapped)
     if grid.tp_size > 1:
         apply_tp(gpt, grid)
     if sp:
@@ -126,7 +129,7 @@ def forward_backward(stack: Stack, micro_batches) -> float | None:
         x, y, pos = cp_batch(stack.gpt, x, y)  # (b, T) -> my (b, T/cp) tokens and positions
         loss = stack.loss(stack.gpt(x, pos), y) / len(micro_batches)
         loss.backward()
-        total += loss.item()
+        total += simulate.item(loss)  # (a fake loss under dtl.simulate has no value)
     return total
 
 

@@ -23,15 +23,25 @@ holds, not what a GPU's memory counter would show on top.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
+import torch
 import torch.distributed as dist
 
 CANNOT_SEE = (
     "values (loss, norms), time, allocator fragmentation and caching, NCCL buffers, "
     "kernel workspaces"
 )
+
+
+def item(t: torch.Tensor) -> float:
+    """t.item(), or nan for a fake tensor: code that reports a loss runs under simulation too,
+    where there is no value to read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return float("nan") if isinstance(t, FakeTensor) else t.item()
 
 
 class SimulateError(RuntimeError):
@@ -51,7 +61,56 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         raise SimulateError(f"rank {rank} is not in a world of {world_size}")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with ExitStack() as undo:
+            for owner, names in _READS_NUMBERS_BACK:
+                for name in names(owner()):
+                    undo.enter_context(_with_real_tensors(owner(), name))
+            undo.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             yield
     finally:
         dist.destroy_process_group()
+
+
+def _device_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh
+
+
+def _grid():
+    from dtl.grid import ParallelGrid
+
+    return ParallelGrid
+
+
+def _methods(cls) -> list[str]:
+    return [n for n, v in vars(cls).items() if callable(v) or isinstance(v, staticmethod)]
+
+
+# Code that keeps a small tensor of rank numbers and reads them back (a device mesh's rank list,
+# the grid's rank table, then .tolist()): under fake tensors the numbers are not there, so it runs
+# with real ones. What it computes (which ranks, which groups) is bookkeeping, not model state.
+_READS_NUMBERS_BACK = (
+    (_device_mesh, lambda cls: ("__init__", "from_group")),
+    (_grid, _methods),
+)
+
+
+@contextmanager
+def _with_real_tensors(owner, name: str) -> Iterator[None]:
+    """owner.name runs with fake tensors off while the context lasts; restored on exit."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = owner.__dict__[name]
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    @functools.wraps(fn)
+    def real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    setattr(owner, name, staticmethod(real) if isinstance(original, staticmethod) else real)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

@@ -57,6 +57,13 @@ def nbytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """One number per block of memory: equal for a tensor and its views, different for two
+    tensors that do not share memory. The storage object's identity, not its data pointer, so it
+    works under fake tensors too (dtl.simulate), where there is no data to point to."""
+    return t.untyped_storage()._cdata
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, *, counters: bool = True) -> int:
     """Bytes of the optimizer's tensors (Adam's exp_avg and exp_avg_sq, ...). `counters=False`
     leaves out 0-dim tensors (Adam's per-parameter step count, 4 bytes each), which formulas in

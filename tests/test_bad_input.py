@@ -27,8 +27,13 @@ CASES = {
     "day18_zero.scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
         (["--ns=8,abc"], "ns must be comma-separated integers"),
-        (["--stages=4"], "stages out of range: '4'"),
+        (["--engines=hand-4"], "unknown engine(s) ['hand-4']"),
         (["--precision=fp16"], "precision fp16 needs a loss scaler"),
+    ],
+    "day22_megatron.scale": [
+        (["--models=gpt5"], "unknown model(s) ['gpt5']"),
+        (["--gpus=8,x"], "gpus must be comma-separated integers"),
+        (["--micro_batches=-1"], "'micro_batches' must be an integer >= 0"),
     ],
     "day18_zero.memory": [
         (["--model=nope"], "unknown model 'nope'"),

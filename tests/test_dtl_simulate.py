@@ -9,6 +9,9 @@ import torch
 
 from day18_zero import engines, scale
 from day18_zero import formulas as zero_formulas
+from day22_megatron import plan
+from day22_megatron import scale as stack_scale
+from day22_megatron.layouts import Layout
 from dtl.model import GPT, num_params, preset
 from dtl.optim import OptimConfig
 from dtl.precision import PRECISIONS
@@ -16,41 +19,48 @@ from dtl.simulate import SimulateError, fake_world
 from dtl.testing import run_distributed
 
 MODEL = preset("tiny")
-CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "bf16")]
+CASES = [
+    (engine, precision) for engine in scale.ENGINES for precision in ("fp32", "bf16")
+]  # hand ZeRO 1-3 and FSDP2 (fully_shard, with and without resharding after forward)
 
 
-def _real_hand_zero():
+def _real_zero():
     """What scale.simulate runs, on real tensors over gloo: two steps, the second counted."""
     out = {}
-    for stage, precision in CASES:
+    for engine, precision in CASES:
+        impl, stage = scale.ENGINES[engine]
         gpt = GPT(MODEL, seed=0).to(PRECISIONS[precision].dtype)
-        trainer = engines.HandZero(gpt, stage, None, OptimConfig(), no_sync=True)
+        trainer = engines.build(impl, stage, gpt, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, MODEL.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
         got = scale.two_steps(trainer, [(x[:, :-1], x[:, 1:])])  # what simulate() counts
-        out[stage, precision] = dict(got, held=dict(got["held"]))
+        out[engine, precision] = _comparable(got)
     return out
 
 
+def _comparable(got: dict) -> dict:
+    return dict(held=dict(got["held"]), padded=got["padded"], sent=got["sent"])
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_simulated_hand_zero_holds_and_sends_what_a_real_gloo_run_does(world):
-    real = run_distributed(_real_hand_zero, world_size=world)[0]  # rank 0, as simulated
-    for stage, precision in CASES:
-        sim = scale.simulate(MODEL, stage, world, precision)
-        got = dict(held=dict(sim["held"]), padded=sim["padded"], sent=sim["sent"])
-        assert got == real[stage, precision], (stage, precision, got, real[stage, precision])
+def test_simulated_zero_and_fsdp2_hold_and_send_what_a_real_gloo_run_does(world):
+    real = run_distributed(_real_zero, world_size=world)[0]  # rank 0, as simulated
+    for engine, precision in CASES:
+        impl, stage = scale.ENGINES[engine]
+        got = _comparable(scale.simulate(MODEL, stage, world, precision, impl=impl))
+        assert got == real[engine, precision], (engine, precision, got, real[engine, precision])
 
 
-@pytest.mark.parametrize("world", [64, 1024])
-def test_simulated_hand_zero_at_scale_equals_the_padded_formulas(world):
-    for stage, precision in CASES:
-        sim = scale.simulate(MODEL, stage, world, precision)
-        p = PRECISIONS[precision]
+@pytest.mark.parametrize("world", [64, 256])  # 1,024: the launch line
+def test_simulated_zero_and_fsdp2_at_scale_equal_the_padded_formulas(world):
+    for engine, precision in CASES:
+        impl, stage = scale.ENGINES[engine]
+        sim = scale.simulate(MODEL, stage, world, precision, impl=impl)
         want = zero_formulas.model_state_bytes(
-            num_params(MODEL), world, stage, p, padded=sim["padded"]
+            num_params(MODEL), world, sim["formula_stage"], sim["precision"], padded=sim["padded"]
         )
-        assert tuple(sim["held"].values()) == (want.params, want.grads, want.optim)
-        sent = zero_formulas.comm_bytes_per_rank(sim["padded"], world, stage, p.dtype.itemsize)
-        assert sim["sent"] == sent
+        assert tuple(sim["held"].values()) == (want.params, want.grads, want.optim), engine
+        elem = PRECISIONS[precision].dtype.itemsize
+        assert sim["sent"] == zero_formulas.comm_bytes_per_rank(sim["padded"], world, stage, elem)
 
 
 def test_fake_world_refuses_a_rank_outside_it_and_leaves_no_group_behind():
@@ -62,3 +72,42 @@ def test_fake_world_refuses_a_rank_outside_it_and_leaves_no_group_behind():
     with fake_world(16, rank=3):
         assert (dist.get_rank(), dist.get_world_size()) == (3, 16)
     assert not dist.is_initialized()
+
+
+# --- TP and PP: day 22's stack, simulated and real -------------------------------------------
+
+STACK_LAYOUTS = {2: [Layout(tp=2), Layout(pp=2)], 4: [Layout(tp=2, pp=2), Layout(tp=2, dp=2)]}
+
+
+def _real_stack(world):
+    return [stack_scale.measure(MODEL, lay, 2, 2) for lay in STACK_LAYOUTS[world]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_tp_and_pp_stack_holds_and_sends_what_a_real_gloo_run_does(world):
+    """Rank by rank (every stage, every TP rank): parameters, TP / PP / DP bytes and the state
+    of the simulated stack equal a real gloo run's, exactly."""
+    real = run_distributed(_real_stack, world, world_size=world)
+    for i, lay in enumerate(STACK_LAYOUTS[world]):
+        for rank in range(world):
+            with fake_world(world, rank):
+                got = stack_scale.measure(MODEL, lay, 2, 2)
+            assert got == real[rank][i], (lay, rank, got, real[rank][i])
+
+
+def test_simulated_picks_of_plan_py_hold_its_formulas_at_8_and_64_gpus():
+    """params, PP, DP bytes and the state exact; TP within the ends' all-reduces, which plan.py
+    leaves out: the embedding's forward on the first stage, the tied head's backward on the
+    last, each 2(t-1)/t s b h x 2 B against the layers' 8(t-1)/t (L/p) s b h x 2 B."""
+    rows = []
+    for gpus in (8, 64):
+        for which, lay, best in stack_scale.picks("gpt2-124m", gpus):
+            rows.append((lay, stack_scale.row("gpt2-124m", gpus, which, lay, best, 0)))
+    assert {lay.name() for lay, _ in rows} >= {"tp1-pp1-dp8", "tp2-pp1-dp4", "tp1-pp2-dp4"}
+    for lay, r in rows:
+        for key in ("params", "pp", "dp", "state"):
+            assert r[f"{key}_sim"] == r[f"{key}_formula"], (lay, key)
+        ends = 2 if lay.pp == 1 else 1  # the simulated rank is on the first stage
+        layers = plan.MODELS["gpt2-124m"].n_layer // lay.pp
+        want = ends / (4 * layers) if lay.tp > 1 else 0.0
+        assert stack_scale.gap(r, "tp") == pytest.approx(want, abs=2e-4), lay
