@@ -32,12 +32,11 @@ from typing import Annotated
 
 from day22_megatron import formulas
 from day22_megatron.layouts import Layout
-from day22_megatron.step_model import ClusterConfig, StepModel
+from day22_megatron.step_model import GB, ClusterConfig, StepModel
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.model import PRESETS, GPTConfig, flops_per_token
 
-GB = 1e9
 BF16 = 2
 MODELS = {
     "gpt2-124m": PRESETS["gpt2-124m"],

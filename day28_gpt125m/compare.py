@@ -90,9 +90,9 @@ def zero3_traffic_bytes(psi: int, gpus: int, micro_steps: int) -> float:
     """Bytes one rank sends per optimizer step under DeepSpeed's ZeRO-3: on every micro-step
     the bf16 parameters are all-gathered in forward and again in backward (each layer frees
     them after use) and the bf16 gradients reduce-scattered into this rank's partition (no rank
-    holds whole gradients to accumulate in): day 18's 3Ψ(N-1)/N elements per pass, measured
-    there, micro_steps times. (Megatron's distributed optimizer accumulates whole gradients and
-    reduces them once per step: plan.py's DP row.)"""
+    holds whole gradients to accumulate in): day 18's 3Ψ(N-1)/N elements, three passes of
+    Ψ(N-1)/N each (measured there), micro_steps times. (Megatron's distributed optimizer
+    accumulates whole gradients and reduces them once per step: plan.py's DP row.)"""
     return micro_steps * zero_formulas.comm_bytes_per_rank(psi, gpus, 3, BF16)
 
 
