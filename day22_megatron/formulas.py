@@ -123,3 +123,12 @@ def bubble(lay: Layout, microbatches: int) -> float:
         return 0.0
     name = "interleaved" if lay.vpp > 1 else "1f1b"
     return bubble_formula(name, lay.pp, microbatches, lay.vpp)
+
+
+def micro_batches(tokens: int, seq_len: int, b: int, dp: int) -> tuple[int, int]:
+    """(micro-batch, micro-batches per DP rank) of a step of `tokens` over `dp` data-parallel
+    ranks: the micro-batch halved until the dp ranks' share divides into whole ones (many DP
+    ranks: a smaller micro-batch fills them). The caller checks tokens % (seq_len·dp) == 0."""
+    while b > 1 and tokens % (seq_len * b * dp):
+        b //= 2
+    return b, tokens // (seq_len * b * dp)

@@ -16,10 +16,13 @@ fp32 gradients, the distributed optimizer, sequence parallelism with TP, flash a
     PP traffic    per micro-batch one (s, b, h) bf16 activation and one gradient per boundary
     DP traffic    reduce-scatter fp32 grads + all-gather bf16 params: 6(d-1)/d x params_per_rank
     bubble        (p-1)/(m+p-1)
-The step-time estimate is a model, stated as one: compute at an assumed MFU, stretched by the
-bubble, plus TP and PP traffic at link bandwidth (on the critical path), plus DP traffic not
-hidden behind compute. The formulas it uses (params_per_rank, bytes per axis, activations per
-layer, the bubble) are the ones days 19-22 measure on CPU against real runs.
+A layout fits when its memory is at most gpu_memory_gb x usable_memory_fraction (the CUDA
+context, NCCL buffers and the allocator's fragmentation take the rest: step_model.py sources the
+default). The step-time estimate is step_model.StepModel, a model stated as one, its assumptions
+on the command line (--mfu, --nvlink_gbs, --ib_gbs, --overlap_fraction): compute at an assumed
+MFU, stretched by the bubble, plus TP and PP traffic at link bandwidth (on the critical path),
+plus the DP traffic not hidden behind compute. The formulas it uses (params_per_rank, bytes per
+axis, activations per layer, the bubble) are the ones days 19-22 measure on CPU against real runs.
 """
 
 from __future__ import annotations
@@ -27,15 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from day19_tp.formulas import IB_NDR_GBS, NVLINK_H100_GBS
 from day22_megatron import formulas
 from day22_megatron.layouts import Layout
+from day22_megatron.step_model import GB, ClusterConfig, StepModel
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.model import PRESETS, GPTConfig, flops_per_token
-from dtl.precision import PRECISIONS
 
-GB = 1e9
 BF16 = 2
 MODELS = {
     "gpt2-124m": PRESETS["gpt2-124m"],
@@ -44,19 +45,14 @@ MODELS = {
     "gpt-6.6b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=4096, vocab_size=32000),
 }
 
-H100_BF16_FLOPS = PRECISIONS["bf16"].peak_flops("H100")  # dense, dtl.precision
-
 
 @dataclass
-class Config:
+class Config(ClusterConfig):  # + the cluster and step-model fields (step_model.ClusterConfig)
     model: str = "all"  # gpt2-124m | gpt-6.6b | all (both, on 8 and 64 GPUs)
     gpus: int = 0  # cluster size (0: 8 and 64)
-    gpus_per_node: int = 8  # TP stays inside a node: t <= this
-    gpu_memory_gb: float = 80.0  # H100 SXM
     global_batch_tokens: int = 0  # 0: 524,288 for gpt2-124m (llm.c), 4,194,304 for 6.6b (Llama 2)
     # 0: 16 for gpt2-124m, 1 for 6.6b (halved where dp needs it)
     micro_batch_size: Annotated[int, dtl_config.NON_NEGATIVE] = 0
-    mfu: float = 0.4  # assumed fraction of the dense bf16 peak the matmuls reach
     distributed_optimizer: bool = True  # false: 18 bytes per parameter on every DP rank
     out_dir: str = "outputs/day22_megatron/plan"  # config.json
 
@@ -82,13 +78,12 @@ def layouts_of(cfg: GPTConfig, gpus: int, per_node: int) -> list[Layout]:
 
 
 def evaluate(
-    cfg: GPTConfig, lay: Layout, *, tokens: int, b: int, per_node: int, mfu: float, distopt=True
-):
+    cfg: GPTConfig, lay: Layout, *, tokens: int, b: int, per_node: int, step: StepModel,
+    distopt=True,
+):  # fmt: skip
     """One layout's row: memory per GPU, bytes and seconds per step by axis, the estimate."""
     s, h, L, t, p, d = cfg.block_size, cfg.n_embd, cfg.n_layer, lay.tp, lay.pp, lay.dp
-    while b > 1 and tokens % (s * b * d):  # many DP ranks: a smaller micro-batch fills them
-        b //= 2
-    m = tokens // (s * b * d)  # micro-batches per DP rank
+    b, m = formulas.micro_batches(tokens, s, b, d)  # m micro-batches per DP rank
     params = max(formulas.params_per_rank(cfg, lay, r) for r in range(p))
     states = params * (6 + 12 / d if distopt else 18)
     acts = formulas.activation_bytes(cfg, s, b, t)  # bf16 layers + fp32 logits and gradient
@@ -97,29 +92,29 @@ def evaluate(
     dp_bytes = 6 * (d - 1) / d * params
     dp_in_node = t * d <= per_node  # the dp group's ranks are t apart (TP innermost)
     pp_in_node = lay.world // p < per_node
-    link = lambda inside: (NVLINK_H100_GBS if inside else IB_NDR_GBS) * GB  # noqa: E731
-    compute = flops_per_token(cfg, s) * tokens / lay.world / (mfu * H100_BF16_FLOPS)
+    compute = step.compute_s(flops_per_token(cfg, s) * tokens / lay.world)
     bubble = formulas.bubble(lay, m)
     t_tp, t_pp, t_dp = (
-        tp_bytes / link(True),
-        pp_bytes / link(pp_in_node),
-        dp_bytes / link(dp_in_node),
+        step.link_s(tp_bytes, True),
+        step.link_s(pp_bytes, pp_in_node),
+        step.link_s(dp_bytes, dp_in_node),
     )
-    step = compute / (1 - bubble) + t_tp + t_pp + max(0.0, t_dp - compute)
     return dict(
         layout=lay.name(), b=b, m=m, memory_gb=(states + acts) / GB, states_gb=states / GB,
         acts_gb=acts / GB, tp_gb=tp_bytes / GB, pp_gb=pp_bytes / GB, dp_gb=dp_bytes / GB,
         tp_s=t_tp, pp_s=t_pp, dp_s=t_dp, dp_link="NVLink" if dp_in_node else "IB",
-        bubble=bubble, compute_s=compute, step_s=step,
+        bubble=bubble, compute_s=compute,
+        step_s=step.step_s(compute, bubble, critical_s=t_tp + t_pp, overlappable_s=t_dp),
     )  # fmt: skip
 
 
 def plan(
-    cfg: GPTConfig, gpus: int, *, tokens: int, b: int, per_node: int, mfu: float, memory_gb,
-    distopt: bool = True,
+    cfg: GPTConfig, gpus: int, *, tokens: int, b: int, per_node: int, memory_gb: float,
+    step: StepModel, distopt: bool = True,
 ):  # fmt: skip
+    """Every layout's row, and the fastest of those that fit in `memory_gb` (the usable GB)."""
     rows = [
-        evaluate(cfg, lay, tokens=tokens, b=b, per_node=per_node, mfu=mfu, distopt=distopt)
+        evaluate(cfg, lay, tokens=tokens, b=b, per_node=per_node, step=step, distopt=distopt)
         for lay in layouts_of(cfg, gpus, per_node)
         if tokens % (cfg.block_size * lay.dp) == 0  # one sequence per DP rank at least
     ]
@@ -128,14 +123,16 @@ def plan(
     return rows, best
 
 
-def show(name: str, gpus: int, rows, best, memory_gb: float) -> str:
+def show(name: str, gpus: int, rows, best, cluster: ClusterConfig) -> str:
     head = (
         f"{'layout':<14}{'b':>3}{'m':>5}{'mem GB':>8}{'states':>8}{'acts':>7}{'TP GB':>7}"
         f"{'PP GB':>7}{'DP GB':>7}{'DP on':>7}{'bubble':>7}{'compute s':>10}{'step s':>8}"
     )
-    lines = [f"{name} on {gpus} GPUs ({memory_gb:.0f} GB each):", head]
+    usable = cluster.usable_gb
+    lines = [f"{name} on {gpus} GPUs ({cluster.gpu_memory_gb:.0f} GB each, {usable:.1f} usable):"]
+    lines.append(head)
     for r in rows:
-        mark = " <- pick" if r is best else ("" if r["memory_gb"] <= memory_gb else "  (no fit)")
+        mark = " <- pick" if r is best else ("" if r["memory_gb"] <= usable else "  (no fit)")
         lines.append(
             f"{r['layout']:<14}{r['b']:>3}{r['m']:>5}{r['memory_gb']:>8.1f}{r['states_gb']:>8.1f}"
             f"{r['acts_gb']:>7.1f}{r['tp_gb']:>7.1f}{r['pp_gb']:>7.2f}{r['dp_gb']:>7.1f}"
@@ -144,24 +141,32 @@ def show(name: str, gpus: int, rows, best, memory_gb: float) -> str:
     return "\n".join(lines)
 
 
+def plan_for(cfg: Config, name: str, gpus: int):
+    """(tokens per step, every layout's row, the pick) of model `name` on `gpus` GPUs as the
+    command line asks: its batch, the usable memory, its step model."""
+    tokens, b = defaults(name)
+    tokens, b = cfg.global_batch_tokens or tokens, cfg.micro_batch_size or b
+    rows, best = plan(
+        MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
+        memory_gb=cfg.usable_gb, step=cfg.step_model(), distopt=cfg.distributed_optimizer,
+    )  # fmt: skip
+    return tokens, rows, best
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     models = list(MODELS) if cfg.model == "all" else [cfg.model]
     for name in models:
-        tokens, b = defaults(name)
-        tokens, b = cfg.global_batch_tokens or tokens, cfg.micro_batch_size or b
         for gpus in [cfg.gpus] if cfg.gpus else [8, 64]:
-            rows, best = plan(
-                MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
-                mfu=cfg.mfu, memory_gb=cfg.gpu_memory_gb, distopt=cfg.distributed_optimizer,
-            )  # fmt: skip
-            dtl_dist.print0(show(name, gpus, rows, best, cfg.gpu_memory_gb))
+            tokens, rows, best = plan_for(cfg, name, gpus)
+            dtl_dist.print0(show(name, gpus, rows, best, cfg))
             pick = best["layout"] if best else "none fits"
             dtl_dist.print0(
                 f"summary: day22 plan {name} on {gpus} GPUs, {tokens:,} tokens per step: pick "
-                f"{pick} (of {len(rows)} layouts; model at {cfg.mfu:.0%} MFU)"
+                f"{pick} (of {len(rows)} layouts; model at {cfg.mfu:.0%} MFU, "
+                f"{cfg.usable_gb:.1f} of {cfg.gpu_memory_gb:.0f} GB usable)"
             )
     dtl_dist.cleanup()
 

@@ -3,22 +3,26 @@ beside what this machine measured.
 
     torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.compare
     python -m day28_gpt125m.compare --models=gpt-6.6b --gpus=16 --gpu_memory_gb=40
+    python -m day28_gpt125m.compare --measured=false --ib_gbs=25 --overlap_fraction=0.5
 
 For each model (GPT-3 Small 125M, GPT-3 XL 1.3B, day 22's 6.6B GPT) and cluster (one node of 8
 GPUs, two nodes of 8), per GPU, bf16 with fp32 optimizer state:
   ZeRO-3, DP over every GPU (DeepSpeed)   state 16Ψ/N + every parameter gathered, 2Ψ (day 23's
                                           measurement of the reuse rule); activations of b
-                                          sequences; per step one all-gather of the bf16
-                                          parameters and one reduce-scatter of the bf16 grads:
-                                          2 x 2Ψ(N-1)/N bytes, over InfiniBand once N spans nodes
+                                          sequences; traffic: zero3_traffic_bytes, every
+                                          micro-step's two all-gathers and one reduce-scatter,
+                                          over InfiniBand once N spans nodes
   TP + PP (+ DP), Megatron's settings     day 22's plan.py: every (tp, pp, dp), TP inside a node,
                                           SP, the distributed optimizer, 1F1B; its best layout
-Both step times are one model (day 22's): compute at an assumed MFU, stretched by the bubble,
-plus the traffic the schedule cannot hide (TP and PP on the critical path; ZeRO-3's and DP's
-collectives overlapped with compute, their excess exposed). The per-rank state of every strategy
-is the formula fit.py uses, which tests/test_day28_gpt125m.py checks against this machine's
-runs; `--measured` reads the summary.json of the runs under outputs/day28_gpt125m and prints them
-beside it. Writes compare.md and compare.png in out_dir.
+A strategy fits when its memory is at most gpu_memory_gb x usable_memory_fraction (day 22's
+step_model.py sources the default). Both step times are one model, day 22's StepModel, its
+assumptions on the command line (--mfu, --nvlink_gbs, --ib_gbs, --overlap_fraction): compute at
+an assumed MFU, stretched by the bubble, plus the traffic the schedule cannot hide (TP and PP on
+the critical path; ZeRO-3's and DP's collectives overlapped with compute, their excess exposed).
+The per-rank state of every strategy is the formula fit.py uses, which
+tests/test_day28_gpt125m.py checks against this machine's runs; `--measured` reads the
+summary.json of the runs under outputs/day28_gpt125m and prints them beside it. Writes compare.md
+and compare.png (memory and step time against the GPU count, --plot_gpus) in out_dir.
 """
 
 from __future__ import annotations
@@ -28,15 +32,15 @@ import json
 import os
 from dataclasses import dataclass
 
-from day19_tp.formulas import IB_NDR_GBS, NVLINK_H100_GBS
-from day22_megatron import plan
+from day18_zero import formulas as zero_formulas
+from day22_megatron import formulas, plan
+from day22_megatron.step_model import GB, ClusterConfig
 from day28_gpt125m import fit
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.model import PRESETS, GPTConfig, flops_per_token, num_params, preset
-from dtl.precision import PRECISIONS
 
-GB = 1e9
+BF16 = 2  # bytes of a parameter or gradient element ZeRO-3 sends
 MODELS = {
     "gpt3-125m": PRESETS["gpt3-125m"],
     # GPT-3 XL (Brown et al. 2020, Table 2.1): 24 layers, 2048 wide, 16 heads of 128, s 2048
@@ -46,16 +50,16 @@ MODELS = {
 # tokens per step and micro-batch, as the papers trained them: GPT-3 0.5M and 1M, Llama 2 4M
 BATCH = {"gpt3-125m": (524_288, 8), "gpt3-1.3b": (1_048_576, 4), "gpt-6.6b": (4_194_304, 1)}
 
-H100_BF16_FLOPS = PRECISIONS["bf16"].peak_flops("H100")  # dense, dtl.precision
+
+def _sizes(text: str) -> list[int]:
+    return [int(g) for g in text.split(",")]
 
 
 @dataclass
-class Config:
+class Config(ClusterConfig):  # + the cluster and step-model fields (day 22's ClusterConfig)
     models: str = "gpt3-125m,gpt3-1.3b,gpt-6.6b"  # comma-separated (MODELS)
-    gpus: str = "8,16"  # cluster sizes, comma-separated
-    gpus_per_node: int = 8  # NVLink inside a node, InfiniBand across
-    gpu_memory_gb: float = 80.0  # H100 SXM
-    mfu: float = 0.4  # assumed fraction of the bf16 peak the matmuls reach
+    gpus: str = "8,16"  # cluster sizes of the table, comma-separated
+    plot_gpus: str = "8,16,32,64,128"  # cluster sizes of compare.png, comma-separated
     measured: bool = True  # print this machine's runs (outputs/day28_gpt125m/*/summary.json)
     out_dir: str = "outputs/day28_gpt125m/compare"  # compare.md, compare.png
 
@@ -63,67 +67,97 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in MODELS]
         if unknown:
             raise dtl_config.ConfigError(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
-        try:
-            sizes = [int(g) for g in self.gpus.split(",")]
-        except ValueError:
-            raise dtl_config.ConfigError(f"gpus must be integers, got {self.gpus!r}") from None
-        if min(sizes) < 1:
-            raise dtl_config.ConfigError(f"gpus must be >= 1, got {self.gpus!r}")
+        for key in ("gpus", "plot_gpus"):
+            try:
+                sizes = _sizes(getattr(self, key))
+            except ValueError:
+                raise dtl_config.ConfigError(
+                    f"{key} must be integers, got {getattr(self, key)!r}"
+                ) from None
+            if min(sizes) < 1:
+                raise dtl_config.ConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+            for name in self.models.split(","):  # ZeRO-3's DP spans every GPU
+                sequences = BATCH[name][0] // MODELS[name].block_size
+                bad = [n for n in sizes if sequences % n]
+                if bad:
+                    raise dtl_config.ConfigError(
+                        f"{key}: {bad} GPUs do not share {name}'s {sequences:,} sequences per "
+                        "step evenly (ZeRO-3 gives every GPU whole sequences)"
+                    )
 
 
-def zero3_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float) -> dict:
-    tokens, b = BATCH[name]
-    psi, s = num_params(cfg), cfg.block_size
-    mem = fit.predicted_bytes(cfg, "zero3", world=gpus, micro=b, seq_len=s, precision="bf16")
-    comm = 2 * 2 * psi * (gpus - 1) / gpus
-    link = (NVLINK_H100_GBS if gpus <= per_node else IB_NDR_GBS) * GB
-    compute = flops_per_token(cfg, s) * tokens / gpus / (mfu * H100_BF16_FLOPS)
-    step = compute + max(0.0, comm / link - compute)
+def zero3_traffic_bytes(psi: int, gpus: int, micro_steps: int) -> float:
+    """Bytes one rank sends per optimizer step under DeepSpeed's ZeRO-3: on every micro-step
+    the bf16 parameters are all-gathered in forward and again in backward (each layer frees
+    them after use) and the bf16 gradients reduce-scattered into this rank's partition (no rank
+    holds whole gradients to accumulate in): day 18's 3Ψ(N-1)/N elements, three passes of
+    Ψ(N-1)/N each (measured there), micro_steps times. (Megatron's distributed optimizer
+    accumulates whole gradients and reduces them once per step: plan.py's DP row.)"""
+    return micro_steps * zero_formulas.comm_bytes_per_rank(psi, gpus, 3, BF16)
+
+
+def zero3_row(name: str, gpus: int, cfg: Config) -> dict:
+    model, (tokens, b) = MODELS[name], BATCH[name]
+    s, step = model.block_size, cfg.step_model()
+    b, m = formulas.micro_batches(tokens, s, b, gpus)  # m micro-steps of b sequences per GPU
+    mem = fit.predicted_bytes(model, "zero3", world=gpus, micro=b, seq_len=s, precision="bf16")
+    traffic = zero3_traffic_bytes(num_params(model), gpus, m)
+    comm = step.link_s(traffic, inside_node=gpus <= cfg.gpus_per_node)
+    compute = step.compute_s(flops_per_token(model, s) * tokens / gpus)
     return dict(
-        strategy="zero3", layout=f"dp{gpus}", memory_gb=mem["total"] / GB,
-        comm_gb=comm / GB, bubble=0.0, compute_s=compute, step_s=step,
+        strategy="zero3", layout=f"dp{gpus}", m=m, memory_gb=mem["total"] / GB,
+        comm_gb=traffic / GB, comm_s=comm, bubble=0.0, compute_s=compute,
+        step_s=step.step_s(compute, overlappable_s=comm),
     )  # fmt: skip
 
 
-def tp_pp_row(name: str, cfg: GPTConfig, gpus: int, per_node: int, mfu: float, memory_gb):
+def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
     tokens, b = BATCH[name]
-    rows, _ = plan.plan(cfg, gpus, tokens=tokens, b=b, per_node=per_node, mfu=mfu,
-                        memory_gb=memory_gb)  # fmt: skip
+    rows, _ = plan.plan(MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
+                        memory_gb=cfg.usable_gb, step=cfg.step_model())  # fmt: skip
     mp = [r for r in rows if not r["layout"].startswith("tp1-pp1")]  # model parallel layouts
-    fits = [r for r in mp if r["memory_gb"] <= memory_gb]
+    fits = [r for r in mp if r["memory_gb"] <= cfg.usable_gb]
     pick = min(fits, key=lambda r: r["step_s"]) if fits else min(mp, key=lambda r: r["memory_gb"])
     return dict(
-        strategy="tp_pp", layout=pick["layout"], memory_gb=pick["memory_gb"],
-        comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"], bubble=pick["bubble"],
+        strategy="tp_pp", layout=pick["layout"], m=pick["m"], memory_gb=pick["memory_gb"],
+        comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"],
+        comm_s=pick["tp_s"] + pick["pp_s"] + pick["dp_s"], bubble=pick["bubble"],
         compute_s=pick["compute_s"], step_s=pick["step_s"],
     )  # fmt: skip
 
 
-def compare(cfg: Config) -> list[dict]:
+def compare(cfg: Config, sizes: list[int] | None = None) -> list[dict]:
+    """Both strategies' rows for every model of cfg on each cluster size (cfg.gpus by default)."""
     rows = []
     for name in cfg.models.split(","):
-        model = MODELS[name]
-        for gpus in (int(g) for g in cfg.gpus.split(",")):
-            for row in (
-                zero3_row(name, model, gpus, cfg.gpus_per_node, cfg.mfu),
-                tp_pp_row(name, model, gpus, cfg.gpus_per_node, cfg.mfu, cfg.gpu_memory_gb),
-            ):
+        for gpus in sizes or _sizes(cfg.gpus):
+            for row in (zero3_row(name, gpus, cfg), tp_pp_row(name, gpus, cfg)):
                 rows.append({"model": name, "gpus": gpus, **row,
-                             "fits": row["memory_gb"] <= cfg.gpu_memory_gb})  # fmt: skip
+                             "fits": row["memory_gb"] <= cfg.usable_gb})  # fmt: skip
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def assumptions(cfg: Config) -> str:
+    return (
+        f"Per GPU: {cfg.gpu_memory_gb:.0f} GB, {cfg.usable_gb:.1f} GB usable "
+        f"(x {cfg.usable_memory_fraction:g}); {cfg.gpus_per_node} per node; step model: "
+        f"{cfg.mfu:.0%} MFU, NVLink {cfg.nvlink_gbs:g} GB/s, InfiniBand {cfg.ib_gbs:g} GB/s, "
+        f"{cfg.overlap_fraction:.0%} of ZeRO-3's / DP's traffic may overlap compute"
+    )
+
+
+def table(rows: list[dict], usable_gb: float) -> str:
     head = (
-        "| model | GPUs | strategy | layout | memory GB/GPU | fits | traffic GB/GPU/step | "
-        "bubble | compute s | step s |\n|---|---|---|---|---|---|---|---|---|---|"
+        f"| model | GPUs | strategy | layout | m | memory GB/GPU | fits {usable_gb:.1f} GB | "
+        "traffic GB/GPU/step | traffic s | bubble | compute s | step s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['gpus']} | {r['strategy']} | {r['layout']} | "
+            f"| {r['model']} | {r['gpus']} | {r['strategy']} | {r['layout']} | {r['m']} | "
             f"{r['memory_gb']:.1f} | {'yes' if r['fits'] else 'no'} | {r['comm_gb']:.1f} | "
-            f"{r['bubble']:.2f} | {r['compute_s']:.2f} | {r['step_s']:.2f} |"
+            f"{r['comm_s']:.3g} | {r['bubble']:.2f} | {r['compute_s']:.3g} | {r['step_s']:.3g} |"
         )
     return "\n".join(lines)
 
@@ -142,25 +176,50 @@ def measured_runs(root: str = "outputs/day28_gpt125m") -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(cfg: Config, path: str) -> None:
+    """Per model (a column): memory per GPU and the estimated step against the GPU count, both
+    strategies, the usable memory as a line; a hollow marker does not fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
-    labels = [f"{r['model']}\n{r['gpus']} GPUs" for r in rows if r["strategy"] == "zero3"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, key, title in zip(
-        axes,
-        ("memory_gb", "comm_gb", "step_s"),
-        ("memory per GPU (GB)", "traffic per GPU per step (GB)", "estimated step (s)"),
-    ):
-        for k, strategy in enumerate(("zero3", "tp_pp")):
-            vals = [r[key] for r in rows if r["strategy"] == strategy]
-            ax.bar([i + 0.4 * k for i in range(len(vals))], vals, width=0.4, label=strategy)
-        ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7)
-        ax.set_title(title)
-        ax.legend()
+    sizes, names = _sizes(cfg.plot_gpus), cfg.models.split(",")
+    rows = compare(cfg, sizes)
+    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.5), squeeze=False)
+    for col, name in enumerate(names):
+        mem_ax, step_ax = axes[0][col], axes[1][col]
+        for strategy, color in (("zero3", "tab:blue"), ("tp_pp", "tab:orange")):
+            mine = [r for r in rows if r["model"] == name and r["strategy"] == strategy]
+            gpus = [r["gpus"] for r in mine]
+            for ax, key in ((mem_ax, "memory_gb"), (step_ax, "step_s")):
+                ax.plot(gpus, [r[key] for r in mine], color=color, label=strategy)
+                for r in mine:
+                    ax.plot(r["gpus"], r[key], "o", color=color,
+                            markerfacecolor=color if r["fits"] else "white")  # fmt: skip
+            if strategy == "tp_pp":  # the picked layout changes with N: say which
+                for r in mine:
+                    mem_ax.annotate(r["layout"], (r["gpus"], r["memory_gb"]), fontsize=6,
+                                    xytext=(2, 4), textcoords="offset points")  # fmt: skip
+        compute = [r["compute_s"] for r in rows if r["model"] == name and r["strategy"] == "zero3"]
+        step_ax.plot(sizes, compute, ":", color="gray", label="compute alone")
+        mem_ax.axhline(cfg.usable_gb, color="red", ls="--", label=f"usable {cfg.usable_gb:.1f} GB")
+        mem_ax.axhline(cfg.gpu_memory_gb, color="gray", ls=":", label=f"{cfg.gpu_memory_gb:g} GB")
+        mem_ax.set_ylim(0, cfg.gpu_memory_gb * 1.08)
+        mem_ax.set_xlim(sizes[0] / 1.3, sizes[-1] * 1.6)  # room for the last layout's name
+        mem_ax.set_title(f"{name}: memory per GPU (GB)")
+        step_ax.set_title(f"{name}: estimated step (s)")
+        step_ax.set_yscale("log")
+        step_ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        step_ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        step_ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        for ax in (mem_ax, step_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(n) for n in sizes])
+            ax.set_xlabel("GPUs")
+            ax.legend(fontsize=8)
+    fig.suptitle(assumptions(cfg), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -171,8 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     rows = compare(cfg)
-    md = table(rows)
-    lines = [md]
+    lines = [assumptions(cfg), table(rows, cfg.usable_gb)]
     if cfg.measured:
         runs = measured_runs()
         lines.append("\nThis machine (CPU, tiny/small): state per rank, measured vs fit.py")
@@ -191,16 +249,18 @@ def main(argv: list[str] | None = None) -> None:
     if dtl_dist.get_rank() == 0:
         with open(os.path.join(cfg.out_dir, "compare.md"), "w") as f:
             f.write(report + "\n")
-        plot(rows, os.path.join(cfg.out_dir, "compare.png"))
+        plot(cfg, os.path.join(cfg.out_dir, "compare.png"))
     for name in cfg.models.split(","):
-        for gpus in (int(g) for g in cfg.gpus.split(",")):
+        for gpus in _sizes(cfg.gpus):
             pair = {r["strategy"]: r for r in rows if r["model"] == name and r["gpus"] == gpus}
             fitting = [s for s, r in pair.items() if r["fits"]]
             faster = min(fitting, key=lambda s: pair[s]["step_s"]) if fitting else "neither fits"
+            z, t = pair["zero3"], pair["tp_pp"]
             dtl_dist.print0(
                 f"summary: day28 compare {name} on {gpus} GPUs: zero3 "
-                f"{pair['zero3']['memory_gb']:.1f} GB/GPU, {pair['tp_pp']['layout']} "
-                f"{pair['tp_pp']['memory_gb']:.1f} GB/GPU; faster by the model: {faster}"
+                f"{z['memory_gb']:.1f} GB/GPU, {t['layout']} {t['memory_gb']:.1f} GB/GPU; "
+                f"faster by the model: {faster} (zero3 {z['step_s']:.3g} s, {t['layout']} "
+                f"{t['step_s']:.3g} s per step; {cfg.usable_gb:.1f} GB usable)"
             )
     dtl_dist.cleanup()
 

@@ -256,7 +256,16 @@ def ensure_writable_dir(path: str, key: str = "out_dir") -> None:
 
 def field_comments(cls) -> dict[str, str]:
     """Each field's documentation: its trailing `# comment`, or else the comment lines just above
-    it (as in Python, a comment line describes what follows it)."""
+    it (as in Python, a comment line describes what follows it). Fields a config inherits from a
+    dataclass it shares with other scripts are documented where that base declares them."""
+    docs = {}
+    for klass in reversed(cls.__mro__):  # bases first: a subclass may document a field anew
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_comments(klass))
+    return docs
+
+
+def _own_field_comments(cls) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

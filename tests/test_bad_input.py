@@ -89,6 +89,8 @@ CASES = {
         (["--mfu=2"], "'mfu' must be a finite number > 0 and <= 1"),
         (["--gpus=-1"], "'gpus' must be an integer >= 0"),
         (["--micro_batch_size=-1"], "'micro_batch_size' must be an integer >= 0"),
+        (["--usable_memory_fraction=0"], "'usable_memory_fraction' must be a finite number > 0"),
+        (["--ib_gbs=0"], "'ib_gbs' must be a finite number > 0"),
     ],
     "day22_megatron.sweep": [
         (["--part=x"], "unknown part 'x'"),
@@ -181,6 +183,8 @@ CASES = {
         (["--gpus=abc"], "gpus must be integers"),  # once a ValueError traceback
         (["--mfu=0"], "'mfu' must be a finite number > 0 and <= 1"),
         (["--gpus_per_node=0"], "'gpus_per_node' must be an integer >= 1"),
+        (["--plot_gpus=12"], "plot_gpus: [12] GPUs do not share gpt3-125m's 256 sequences"),
+        (["--overlap_fraction=2"], "'overlap_fraction' must be a fraction in [0, 1]"),
     ],
 }
 PARAMS = [

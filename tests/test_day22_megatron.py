@@ -357,9 +357,10 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
 
 def test_plan_picks_data_parallel_for_gpt2_and_model_parallel_only_when_memory_forces_it():
     from day22_megatron import plan
+    from day22_megatron.step_model import StepModel
 
     gpt2, big = plan.MODELS["gpt2-124m"], plan.MODELS["gpt-6.6b"]
-    kw = dict(per_node=8, mfu=0.4)
+    kw = dict(per_node=8, step=StepModel(mfu=0.4))
     for gpus in (8, 64):
         rows, best = plan.plan(gpt2, gpus, tokens=524_288, b=16, memory_gb=80, **kw)
         assert best["layout"] == f"tp1-pp1-dp{gpus}"

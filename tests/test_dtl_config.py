@@ -103,6 +103,19 @@ def test_help_lists_every_field_with_type_default_and_its_comment():
     assert all(f"--{k}=" in text for k in config.to_dict(Cfg()))
 
 
+@dataclass
+class Inherits(Cfg):  # a Config sharing fields with another script's, as plan and compare do
+    models: str = "a,b"  # comma-separated
+
+
+def test_help_documents_the_fields_a_config_inherits_where_its_base_declares_them():
+    with pytest.raises(config.HelpRequested) as h:
+        config.load(Inherits, ["--help"])
+    text = str(h.value)
+    assert "AdamW learning rate (default: 0.001)" in text
+    assert "comma-separated (default: 'a,b')" in text
+
+
 def test_parse_answers_help_with_exit_0_on_stdout(capsys):
     with pytest.raises(SystemExit) as exit_:
         config.parse(Cfg, ["-h"])

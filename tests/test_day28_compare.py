@@ -1,0 +1,87 @@
+"""Day 28's compare.py and day 22's plan.py, the model they share (one process, no group):
+ZeRO-3's traffic is day 18's three passes on every micro-step, the usable memory decides what
+fits, the step model's inputs move the step time, and the run writes a PNG and the summary lines
+lessons.toml expects."""
+
+import re
+
+import pytest
+
+from day18_zero import formulas as zero_formulas
+from day22_megatron import plan
+from day22_megatron.step_model import GB, StepModel
+from day28_gpt125m import compare
+from dtl import registry
+from dtl.model import num_params
+from dtl.script_server import run_script
+
+
+def test_zero3_sends_three_passes_of_bf16_parameters_on_every_micro_step():
+    model = compare.MODELS["gpt-6.6b"]
+    micro_steps = 4_194_304 // (4096 * 1 * 16)  # tokens / (seq_len x micro-batch x GPUs)
+    row = compare.zero3_row("gpt-6.6b", 16, compare.Config())
+    per_pass = zero_formulas.comm_bytes_per_rank(num_params(model), 16, 3, 2)
+    assert row["m"] == micro_steps == 64
+    assert row["comm_gb"] * GB == pytest.approx(micro_steps * per_pass)
+    # the old count, 2 x 2Ψ(N-1)/N once per step, was 64 x 3/2 = 96 times too small
+    once = 2 * 2 * num_params(model) * 15 / 16
+    assert row["comm_gb"] * GB / once == pytest.approx(96)
+    # 16 GPUs span two nodes of 8: the traffic crosses InfiniBand at 50 GB/s
+    assert row["comm_s"] == pytest.approx(row["comm_gb"] / 50)
+
+
+def test_the_usable_memory_fraction_decides_what_fits_in_both_scripts():
+    # gpt-6.6b's ZeRO-3 needs 45.7 GB per GPU on 8: inside 50 GB, not inside 90% of it
+    for fraction, fits in ((1.0, True), (0.9, False)):
+        cfg = compare.Config(models="gpt-6.6b", gpus="8", gpu_memory_gb=50,
+                             usable_memory_fraction=fraction)  # fmt: skip
+        zero3 = next(r for r in compare.compare(cfg) if r["strategy"] == "zero3")
+        assert zero3["fits"] is fits
+    # day 22: DP 8 needs 68.7 GB of an 80 GB GPU, so 90% of it fits DP 8, 85% does not
+    picks = {}
+    for fraction in (0.9, 0.85):
+        _, rows, best = plan.plan_for(plan.Config(usable_memory_fraction=fraction), "gpt-6.6b", 8)
+        assert best["memory_gb"] <= 80 * fraction
+        picks[fraction] = best["layout"]
+    assert picks == {0.9: "tp1-pp1-dp8", 0.85: "tp1-pp2-dp4"}
+
+
+def test_each_step_model_input_moves_the_step_time():
+    base = compare.zero3_row("gpt-6.6b", 16, compare.Config())  # traffic-bound across nodes
+    assert base["step_s"] == pytest.approx(base["comm_s"]) and base["comm_s"] > base["compute_s"]
+    slower_ib = compare.zero3_row("gpt-6.6b", 16, compare.Config(ib_gbs=25))
+    assert slower_ib["step_s"] == pytest.approx(2 * base["step_s"])
+    no_overlap = compare.zero3_row("gpt-6.6b", 16, compare.Config(overlap_fraction=0))
+    assert no_overlap["step_s"] == pytest.approx(base["compute_s"] + base["comm_s"])
+    # on one node the traffic hides behind compute: the step is compute, and MFU scales it
+    inside = compare.zero3_row("gpt-6.6b", 8, compare.Config())
+    faster = compare.zero3_row("gpt-6.6b", 8, compare.Config(mfu=0.5))
+    assert faster["step_s"] == pytest.approx(inside["step_s"] * 0.4 / 0.5)
+    # day 22's DP traffic obeys the same overlap: exposed in full when nothing overlaps
+    lay = plan.layouts_of(plan.MODELS["gpt-6.6b"], 64, 8)[0]  # tp1-pp1-dp64
+    kw = dict(tokens=4_194_304, b=1, per_node=8)
+    hidden = plan.evaluate(plan.MODELS["gpt-6.6b"], lay, step=StepModel(), **kw)
+    exposed = plan.evaluate(plan.MODELS["gpt-6.6b"], lay, step=StepModel(overlap=0), **kw)
+    assert hidden["step_s"] == pytest.approx(hidden["compute_s"])
+    assert exposed["step_s"] == pytest.approx(hidden["compute_s"] + hidden["dp_s"])
+
+
+def test_partial_overlap_hides_its_share_of_the_traffic_up_to_the_compute():
+    half = StepModel(overlap=0.5)
+    assert half.exposed_s(10.0, 3.0) == pytest.approx(7.0)  # 5 s could hide, 3 s of compute do
+    assert half.exposed_s(4.0, 3.0) == pytest.approx(2.0)  # 2 s hide
+    assert StepModel().exposed_s(4.0, 3.0) == pytest.approx(1.0)  # today's: all, up to compute
+
+
+def test_the_run_writes_a_png_and_the_summary_lines_lessons_toml_expects(tmp_path):
+    run = run_script("day28_gpt125m.compare", "--measured=false", "--plot_gpus=8,16,32",
+                     f"--out_dir={tmp_path}", merge=True)  # fmt: skip
+    assert run.code == 0, run.stdout
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    lesson = next(lesson for lesson in registry.load() if lesson.day == 28)
+    expect = next(r for r in lesson.runs if r.name == "compare").expect
+    lines = run.stdout.splitlines()
+    for pattern in expect:
+        assert any(re.search(pattern, line) for line in lines), pattern
+    assert "| fits 68.0 GB |" in run.stdout  # the table's header states the usable memory
