@@ -79,12 +79,12 @@ def picks(name: str, gpus: int) -> list[tuple[str, Layout, dict]]:
     """plan.py's pick for `name` on `gpus` GPUs (its notes' defaults), and its fastest layouts
     that fit with PP and with TP, where those differ: (which, layout, plan's row) each."""
     cfg = plan.MODELS[name]
-    tokens, b = plan.defaults(name)
-    rows, best = plan.plan(cfg, gpus, tokens=tokens, b=b, per_node=8, mfu=0.4, memory_gb=80.0)
+    defaults = plan.Config()  # the notes' batch, usable memory and step model
+    _, rows, best = plan.plan_for(defaults, name, gpus)
     if best is None:
         raise SystemExit(f"plan.py finds no layout of {name} that fits {gpus} GPUs")
-    layouts = {x.name(): x for x in plan.layouts_of(cfg, gpus, 8)}
-    fits = [r for r in rows if r["memory_gb"] <= 80.0]
+    layouts = {x.name(): x for x in plan.layouts_of(cfg, gpus, defaults.gpus_per_node)}
+    fits = [r for r in rows if r["memory_gb"] <= defaults.usable_gb]
     out = {best["layout"]: ("pick", best)}
     for which, axis in (("fastest with PP", "pp"), ("fastest with TP", "tp")):
         using = [r for r in fits if getattr(layouts[r["layout"]], axis) > 1]
@@ -131,7 +131,13 @@ def measure(cfg, lay: Layout, b: int, k: int) -> dict:
 
 
 def row(name: str, gpus: int, which: str, lay: Layout, best: dict, k: int) -> dict:
-    cfg = plan.MODELS[name]
+    """One table row: plan.py's row `best` for `name` at `lay`, simulated beside its formulas."""
+    return dict(model=name, gpus=gpus, which=which, **row_at(plan.MODELS[name], lay, best, k))
+
+
+def row_at(cfg, lay: Layout, best: dict, k: int) -> dict:
+    """The stack at `lay` simulated on its fullest stage (k micro-batches, 0: pp) beside
+    plan.py's row `best` for it (its b, m and bytes) and this stack's own formulas."""
     if cfg.vocab_size % lay.tp:  # as Megatron does (--make-vocab-size-divisible-by 128): the
         # simulated model and the formula both hold the padded rows
         cfg = replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size, 128, lay.tp))
@@ -148,8 +154,7 @@ def row(name: str, gpus: int, which: str, lay: Layout, best: dict, k: int) -> di
         state=(2 + 2 + 4) * params,  # bf16 params, grads, Adam m and v (torch AdamW, no master)
     )
     return dict(
-        model=name, gpus=gpus, which=which, layout=lay.name(), stage=stage, b=best["b"],
-        m=best["m"],
+        layout=lay.name(), stage=stage, b=best["b"], m=best["m"],
         **{f"{key}_sim": sim[key] for key in want}, **{f"{key}_formula": want[key] for key in want},
         megatron_dp=best["dp_gb"] * GB, megatron_state=best["states_gb"] * GB,
         seconds=time.perf_counter() - t0,

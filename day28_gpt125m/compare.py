@@ -122,7 +122,7 @@ def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
         strategy="tp_pp", layout=pick["layout"], m=pick["m"], memory_gb=pick["memory_gb"],
         comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"],
         comm_s=pick["tp_s"] + pick["pp_s"] + pick["dp_s"], bubble=pick["bubble"],
-        compute_s=pick["compute_s"], step_s=pick["step_s"],
+        compute_s=pick["compute_s"], step_s=pick["step_s"], plan=pick,
     )  # fmt: skip
 
 

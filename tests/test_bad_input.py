@@ -34,6 +34,13 @@ CASES = {
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
         (["--gpus=8,x"], "gpus must be comma-separated integers"),
         (["--micro_batches=-1"], "'micro_batches' must be an integer >= 0"),
+        (["--gpus=0"], "gpus must be >= 1, got '0'"),
+    ],
+    "day28_gpt125m.scale": [
+        (["--models=gpt5"], "unknown model(s) ['gpt5']"),
+        (["--gpus=8,x"], "gpus must be integers"),
+        (["--gpus=0"], "gpus must be >= 1"),
+        (["--gpus=7"], "[7] GPUs do not share"),
     ],
     "day18_zero.memory": [
         (["--model=nope"], "unknown model 'nope'"),
