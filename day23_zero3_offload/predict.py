@@ -89,7 +89,7 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
     out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
     threshold = zero.get("stage3_param_persistence_threshold", 100_000)
     out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
-    out["device"]["gathered"] = _gathered([n for g in groups for n in g if n > threshold]) * e
+    out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
     if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
         out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
     min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
@@ -133,17 +133,51 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
     return out
 
 
-def _gathered(gathered_sizes: list[int]) -> int:
-    """Peak elements ZeRO-3 holds gathered (full) at once: every non-persistent parameter.
+def _gathered(zero: dict, sizes: list[int]) -> int:
+    """Peak elements ZeRO-3 holds gathered (full) at once. `sizes`: the non-persistent
+    parameters in forward order (the GPT's: wte first, which the tied head uses again last).
 
-    DeepSpeed's release rule (partitioned_param_coordinator.py, __params_to_release) keeps a
-    parameter gathered after its module ran if the trace reuses it within
-    stage3_max_reuse_distance elements; every parameter is reused in backward, so at the
-    default (1e9) nothing is released from forward to backward. Smaller distances and
-    stage3_max_live_parameters are meant to release earlier, but measured here (bench.py
-    --part=keys, a 4 x 256 GPT, DeepSpeed 0.19.8 on CPU) neither lowered the peak: it stayed
-    at every non-persistent parameter. The prediction follows the measurement."""
-    return sum(gathered_sizes)
+    Two rules of DeepSpeed's coordinator (partitioned_param_coordinator.py) set it:
+    - release: after a module runs, a parameter stays gathered if the module trace uses it
+      again within stage3_max_reuse_distance elements (__params_to_release); `_retained` replays
+      the trace (forward, then backward in reverse) and returns the peak this rule leaves;
+    - prefetch: upcoming parameters are gathered ahead while fewer than
+      stage3_max_live_parameters elements are available (__prefetch ... max_params_to_prefetch).
+      The loop adds a parameter while it has room left, so it may overshoot by the last one.
+    So the peak is at most the larger of the two, and never more than every parameter: an upper
+    bound. For the small models this machine runs, nothing is ever released (the whole trace is
+    shorter than the reuse distance): every parameter stays gathered, as the tests measure. From
+    about a billion parameters on, the rules bind: day 23's scale.py simulated DeepSpeed at
+    11-44 B and found the peak at 0.91-0.96 x max_live_parameters (1e9 in the templates), and
+    where the cap is below the release rule's peak, exactly that peak (tests/test_day23_scale.py).
+    The release rule's trace counts the non-persistent parameters only (a persistent one is
+    under the threshold, 1e5 elements, against distances of 1e9)."""
+    reuse = zero.get("stage3_max_reuse_distance", 1_000_000_000)
+    live = zero.get("stage3_max_live_parameters", 1_000_000_000)
+    if not sizes:
+        return 0
+    return min(sum(sizes), max(_retained(sizes, reuse), live + max(sizes)))
+
+
+def _retained(sizes: list[int], reuse: float) -> int:
+    """The peak the release rule alone leaves: one module per parameter, the trace forward (the
+    tied head reuses parameter 0 at its end), then backward in reverse."""
+    forward = list(range(len(sizes))) + [0]  # parameter ids in the order modules use them
+    trace = forward + forward[::-1]
+    held: set[int] = set()
+    peak = 0
+    for step, pid in enumerate(trace):
+        held.add(pid)
+        peak = max(peak, sum(sizes[i] for i in held))
+        ahead, seen = 0, set()
+        for nxt in trace[step + 1 :]:  # reused within the distance: kept
+            if ahead >= reuse:
+                break
+            seen.add(nxt)
+            ahead += sizes[nxt]
+        if pid not in seen:
+            held.discard(pid)
+    return peak
 
 
 def _cpu_resident(parts, subs, max_in_cpu: int) -> list[bool]:

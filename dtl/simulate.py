@@ -24,6 +24,7 @@ holds, not what a GPU's memory counter would show on top.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -114,3 +115,65 @@ def _with_real_tensors(owner, name: str) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, original)
+
+
+@contextmanager
+def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
+    """DeepSpeed's ZeRO-3 (with or without CPU offload) as one rank of a fake_world: yields the
+    ds_config to pass to deepspeed.initialize, and undoes its patches on exit. Six places in
+    DeepSpeed 0.19 read values or data pointers, each replaced while the context lasts:
+      - the engine asserts the launcher's LOCAL_RANK / RANK / WORLD_SIZE: set for this rank;
+      - it moves the module to its device (`module.to`), which cannot swap fake parameters:
+        built with dont_change_device (the module is on the simulated device already);
+      - its fused and CPU Adam kernels read the tensors' memory: torch's AdamW instead
+        (`torch_adam`: the same exp_avg and exp_avg_sq per element);
+      - the overflow check (stage3's is_invalid_grad_norm) and the CPU-offload norm read a value:
+        they answer "no overflow" and a zero norm (nothing is clipped: no values to clip);
+      - from the second step, the module trace is checked equal on every rank by reading rank
+        0's back (assert_ints_same_as_other_ranks): one simulated rank is its own rank 0.
+    NVMe offload writes data to disk and reads it back: it cannot be simulated."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import partitioned_param_coordinator, stage3
+
+    zero = ds.get("zero_optimization", {})
+    if any(
+        (zero.get(s) or {}).get("device") == "nvme" for s in ("offload_param", "offload_optimizer")
+    ):
+        raise SimulateError("NVMe offload writes and reads data; a simulation has none")
+    ds = {
+        **ds,
+        "optimizer": {
+            **ds["optimizer"],
+            "params": {**ds["optimizer"]["params"], "torch_adam": True},
+        },
+    }
+    env = dict(RANK=str(dist.get_rank()), LOCAL_RANK="0", WORLD_SIZE=str(dist.get_world_size()),
+               LOCAL_WORLD_SIZE="1")  # fmt: skip
+    saved_env = {k: os.environ.get(k) for k in env}
+    build = DeepSpeedEngine.__init__
+    optimizer = stage3.DeepSpeedZeroOptimizer_Stage3
+    patches = [
+        (DeepSpeedEngine, "__init__",
+         lambda self, *a, **k: build(self, *a, **{**k, "dont_change_device": True})),
+        (stage3, "is_invalid_grad_norm", lambda norm: False),
+        (optimizer, "complete_grad_norm_calculation_for_cpu_offload",
+         lambda self, params: torch.zeros(())),
+        (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", lambda ints: None),
+    ]  # fmt: skip
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    os.environ.update(env)
+    for owner, name, fn in patches:
+        setattr(owner, name, fn)
+    try:
+        yield ds
+    finally:
+        from deepspeed.utils import groups
+
+        groups._release_process_group_references()  # its cached groups die with the fake world
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

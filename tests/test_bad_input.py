@@ -130,6 +130,12 @@ CASES = {
         (["--steps=1"], "steps must be >= 2"),
         (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
     ],
+    "day23_zero3_offload.scale": [
+        (["--model=x"], "unknown model 'x'"),
+        (["--ns=8,x"], "ns must be comma-separated integers"),
+        (["--ns=0"], "ns must be >= 1"),
+        (["--fit_budget_gb=-1"], "'fit_budget_gb' must be a finite number >= 0"),
+    ],
     "day23_zero3_offload.explain": [
         ([f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
         (["--model=x"], "unknown model 'x'"),
