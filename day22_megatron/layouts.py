@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from dtl.model import PRESETS, GPTConfig, pad_vocab_size, preset
 
+# Megatron's default --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of
+# this times tp, so that every TP rank holds the same number of embedding rows
+VOCAB_MULTIPLE = 128
+
 
 def padded_preset(name: str, n_layer: int, vocab_multiple: int, tp: int) -> GPTConfig:
     """A dtl preset with `n_layer` layers (0: the preset's) and its vocabulary padded to a

@@ -16,7 +16,9 @@ parameters (the formula's max over stages, read from the right rank). Side by si
                                                   ends add one each, which plan leaves out: the
                                                   vocab-parallel embedding's in forward (first
                                                   stage), the tied head's in backward (last):
-                                                  a gap of 1/(4 L/p) per end
+                                                  a gap of 1/(4 L/p) per end; and the last
+                                                  stage's vocab-parallel loss, 3 all-reduces
+                                                  of s b fp32: 3/(4 (L/p) h) more
     PP / micro  bytes sent + received on the      plan: one (s, b, h) activation and one gradient
                 pipeline group per micro-batch    per boundary, 2 s b h x 2 B
     DP / step   ring bytes on the DP group        what this stack does: all-reduce of the bf16
@@ -40,18 +42,18 @@ from typing import Annotated
 
 import torch
 
+from day18_zero.formulas import comm_bytes_per_rank
 from day22_megatron import formulas, plan
-from day22_megatron.layouts import Layout
+from day22_megatron.layouts import VOCAB_MULTIPLE, Layout
+from day22_megatron.plan import BF16
 from day22_megatron.stack import build_stack, forward_backward, stack_state_bytes, sync_gradients
+from day22_megatron.step_model import GB
 from dtl import config as dtl_config
 from dtl.comm import CommCounter
 from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
 from dtl.model import pad_vocab_size
 from dtl.simulate import CANNOT_SEE, fake_world
-
-GB = 1e9
-BF16 = 2
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Config:
             raise err(f"gpus must be comma-separated integers, got {self.gpus!r}") from None
         if min(sizes) < 1:
             raise err(f"gpus must be >= 1, got {self.gpus!r}")
+        for name in self.models.split(","):  # plan.py's formulas: milliseconds
+            for gpus in sizes:
+                if plan.plan_for(plan.Config(), name, gpus)[2] is None:
+                    raise err(f"plan.py finds no layout of {name} that fits {gpus} GPUs")
 
 
 def picks(name: str, gpus: int) -> list[tuple[str, Layout, dict]]:
@@ -81,8 +87,7 @@ def picks(name: str, gpus: int) -> list[tuple[str, Layout, dict]]:
     cfg = plan.MODELS[name]
     defaults = plan.Config()  # the notes' batch, usable memory and step model
     _, rows, best = plan.plan_for(defaults, name, gpus)
-    if best is None:
-        raise SystemExit(f"plan.py finds no layout of {name} that fits {gpus} GPUs")
+    assert best is not None, "Config.validate refuses a model and size with no fitting layout"
     layouts = {x.name(): x for x in plan.layouts_of(cfg, gpus, defaults.gpus_per_node)}
     fits = [r for r in rows if r["memory_gb"] <= defaults.usable_gb]
     out = {best["layout"]: ("pick", best)}
@@ -115,7 +120,7 @@ def measure(cfg, lay: Layout, b: int, k: int) -> dict:
         stack = build_stack(cfg, grid, micro_batch_size=b, microbatches=k, seq_len=cfg.block_size)
     finally:
         torch.set_default_dtype(default)
-    x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size + 1))
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size + 1), device=stack.params[0].device)
     with CommCounter() as comm:
         forward_backward(stack, [(x[:, :-1], x[:, 1:])] * k)
     with CommCounter() as dp_comm:
@@ -138,9 +143,10 @@ def row(name: str, gpus: int, which: str, lay: Layout, best: dict, k: int) -> di
 def row_at(cfg, lay: Layout, best: dict, k: int) -> dict:
     """The stack at `lay` simulated on its fullest stage (k micro-batches, 0: pp) beside
     plan.py's row `best` for it (its b, m and bytes) and this stack's own formulas."""
-    if cfg.vocab_size % lay.tp:  # as Megatron does (--make-vocab-size-divisible-by 128): the
-        # simulated model and the formula both hold the padded rows
-        cfg = replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size, 128, lay.tp))
+    if cfg.vocab_size % lay.tp:  # a vocabulary tp does not divide is padded as Megatron pads
+        # (to a multiple of VOCAB_MULTIPLE x tp); one it divides is kept, so that the simulated
+        # model, the formulas and plan.py count the same rows. Both hold the padded rows.
+        cfg = replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size, VOCAB_MULTIPLE, lay.tp))
     stage = fullest_stage(cfg, lay)
     t0 = time.perf_counter()
     sim = simulate(cfg, lay, best["b"], k or lay.pp, stage)
@@ -150,7 +156,7 @@ def row_at(cfg, lay: Layout, best: dict, k: int) -> dict:
         params=params,
         tp=best["tp_gb"] * GB / best["m"],
         pp=best["pp_gb"] * GB / best["m"],
-        dp=2 * (d - 1) / d * BF16 * params,  # this stack: all-reduce of bf16 gradients
+        dp=comm_bytes_per_rank(params, d, 0, BF16),  # this stack: all-reduce of bf16 gradients
         state=(2 + 2 + 4) * params,  # bf16 params, grads, Adam m and v (torch AdamW, no master)
     )
     return dict(

@@ -39,7 +39,6 @@ from dtl.model import PresetName
 
 MB = 1e6
 AXES = ("tp", "pp", "dp")
-VOCAB_MULTIPLE = train_4d.Config.make_vocab_size_divisible_by  # both stacks pad as Megatron
 
 
 @dataclass
@@ -85,7 +84,7 @@ def why_not(cfg: Config, lay: layouts.Layout) -> str | None:
     try:
         layouts.check(
             lay,
-            layouts.padded_preset(cfg.model, 0, VOCAB_MULTIPLE, lay.tp),
+            layouts.padded_preset(cfg.model, 0, layouts.VOCAB_MULTIPLE, lay.tp),
             micro_batch_size=cfg.micro_batch_size,
             global_batch_size=cfg.global_batch_size,
             seq_length=cfg.seq_len,

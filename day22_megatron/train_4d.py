@@ -64,7 +64,7 @@ class Config:
     model: PresetName = "tiny"  # GPT preset
     num_layers: int = 0  # 0: the preset's number of layers
     # pad the vocabulary to a multiple of this x tp, as Megatron does (GPT-2's 50,257 -> 50,304)
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = layouts.VOCAB_MULTIPLE
     micro_batch_size: int = 1  # sequences per micro-batch (per DP rank)
     global_batch_size: int = 8  # sequences per step over all DP ranks
     seq_len: int = 32  # tokens per sequence

@@ -69,7 +69,7 @@ class Config:
     model: PresetName = "tiny"  # GPT preset (dtl.model.PRESETS)
     num_layers: int = 0  # 0: the preset's number of layers
     # pad the vocabulary to a multiple of this x TP (Megatron's default 128; GPT-2: 50,304)
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = layouts.VOCAB_MULTIPLE
     seq_length: int = 32  # tokens per sequence
     train_iters: int = 4  # optimizer steps
     lr: float = 1e-3  # Adam learning rate (constant: OptimizerParamScheduler, style constant)

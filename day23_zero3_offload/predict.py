@@ -79,15 +79,25 @@ def _sub_groups(parts: list[int], sub_group_size: int) -> list[list[int]]:
     return [*groups, current] if current else groups
 
 
+def element_bytes(ds: dict) -> int:
+    """Bytes of a parameter element as the engine holds it: 2 in bf16, else 4."""
+    return 2 if (ds.get("bf16") or {}).get("enabled") else 4
+
+
+def persistence_threshold(zero: dict) -> int:
+    """Parameters of at most this many elements stay whole on every rank (never gathered)."""
+    return zero.get("stage3_param_persistence_threshold", 100_000)
+
+
 def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str, float]]:
     """This rank's bytes by location and kind, from the config and the parameter groups."""
     zero = ds.get("zero_optimization", {})
-    e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    e = element_bytes(ds)
     parts = [[math.ceil(n / world) for n in g] for g in groups]  # each parameter's partition
     flat = [k for g in parts for k in g]
     subs = [s for g in parts for s in _sub_groups(g, zero.get("sub_group_size", 1_000_000_000))]
     out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
-    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    threshold = persistence_threshold(zero)
     out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
     out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
     if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
@@ -147,9 +157,10 @@ def _gathered(zero: dict, sizes: list[int]) -> int:
     So the peak is at most the larger of the two, and never more than every parameter: an upper
     bound. For the small models this machine runs, nothing is ever released (the whole trace is
     shorter than the reuse distance): every parameter stays gathered, as the tests measure. From
-    about a billion parameters on, the rules bind: day 23's scale.py simulated DeepSpeed at
-    11-44 B and found the peak at 0.91-0.96 x max_live_parameters (1e9 in the templates), and
-    where the cap is below the release rule's peak, exactly that peak (tests/test_day23_scale.py).
+    about a billion parameters on, the rules bind: day 23's scale.py simulates DeepSpeed at
+    29-59 B and finds the peak at 0.64-0.91 x max_live_parameters (1e9 in the templates; the
+    lower end on the 12,288-wide models), and where the cap is below the release rule's peak,
+    exactly that peak (tests/test_day23_scale.py).
     The release rule's trace counts the non-persistent parameters only (a persistent one is
     under the threshold, 1e5 elements, against distances of 1e9)."""
     reuse = zero.get("stage3_max_reuse_distance", 1_000_000_000)

@@ -7,17 +7,19 @@ simulated, beside predict.py's bytes per location.
 explain.py predicts from DeepSpeed's rules where every byte of a rank lives, and the tests check
 it against real runs of 1-4 ranks. Here the real DeepSpeed engine is built for rank 0 of N under
 dtl.simulate.fake_world (a fake process group, fake tensors) with the patches of
-dtl.simulate.deepspeed_under_fake_tensors, runs one step, and measure.locations reads the same
-attributes it reads in a real run. Two parts:
+dtl.simulate.deepspeed_under_fake_tensors, runs two steps (the first records the module trace
+that DeepSpeed's prefetch and release follow), and measure.locations reads the same attributes it
+reads in a real run, the gathered-parameter peak of the second step included. Two parts:
   templates   the model (--model) under each template that can run under fake tensors (no
               offload, optimizer to CPU, parameters and optimizer to CPU; NVMe cannot: it needs
               data on disk) at each N: predicted and simulated bytes, device and CPU
   fit         explain.py's "largest GPT whose model state fits --fit_budget_gb per GPU" on 8
               ranks, for each of those templates: that GPT simulated at N = 8, its device bytes
               against the budget
-The gathered parameters are not compared: DeepSpeed's release rule keeps them (predict._gathered)
-and the simulation's one step, on sequences of 8 tokens, sees the same. What a simulation cannot
-see: dtl.simulate.CANNOT_SEE. Writes scale.csv in out_dir.
+The gathered parameters are compared like the rest: predict._gathered replays DeepSpeed's
+release rule on the trace and caps it by the live-parameter limit, an upper bound; where the cap
+binds (the largest fits) the simulated peak is below it, and the gap says by how much. What a
+simulation cannot see: dtl.simulate.CANNOT_SEE. Writes scale.csv in out_dir.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, PresetName, loss_fn
 from dtl.simulate import CANNOT_SEE, deepspeed_under_fake_tensors, fake_world
 
-SIMULATED = ("zero3", "opt_only", "cpu")  # checks.SIMULATED that run under fake tensors (not nvme)
+SIMULATED = ("zero3", "opt_only", "cpu")  # the templates that run under fake tensors (not nvme)
 SEQ = 8  # tokens per simulated sequence: the state does not depend on them
 
 
@@ -76,12 +78,12 @@ def ds_config(template: str, world: int) -> dict:
 
 
 def simulate(model: GPTConfig, template: str, world: int) -> dict[str, dict[str, int]]:
-    """Rank 0 of `world` under DeepSpeed with `template`: one step, then where its bytes are."""
+    """Rank 0 of `world` under DeepSpeed with `template`: two steps, then where its bytes are."""
     deepspeed = import_deepspeed("cpu")
     with fake_world(world), deepspeed_under_fake_tensors(ds_config(template, world)) as ds:
         engine, *_ = deepspeed.initialize(model=GPT(model, seed=0), config=ds,
                                           dist_init_required=False)  # fmt: skip
-        x = torch.randint(0, model.vocab_size, (1, SEQ + 1))
+        x = torch.randint(0, model.vocab_size, (1, SEQ + 1), device=engine.device)
         peak = None
         for step in range(2):  # the first records the module trace DeepSpeed's prefetch follows
             peak = PeakGathered(engine) if step == 1 else None

@@ -118,11 +118,13 @@ def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
     mp = [r for r in rows if not r["layout"].startswith("tp1-pp1")]  # model parallel layouts
     fits = [r for r in mp if r["memory_gb"] <= cfg.usable_gb]
     pick = min(fits, key=lambda r: r["step_s"]) if fits else min(mp, key=lambda r: r["memory_gb"])
+    layout = {x.name(): x for x in plan.layouts_of(MODELS[name], gpus, cfg.gpus_per_node)}
     return dict(
         strategy="tp_pp", layout=pick["layout"], m=pick["m"], memory_gb=pick["memory_gb"],
         comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"],
         comm_s=pick["tp_s"] + pick["pp_s"] + pick["dp_s"], bubble=pick["bubble"],
         compute_s=pick["compute_s"], step_s=pick["step_s"], plan=pick,
+        lay=layout[pick["layout"]],  # the Layout, for code that builds it (day 28's scale.py)
     )  # fmt: skip
 
 

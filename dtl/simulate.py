@@ -15,10 +15,15 @@ Two pieces of torch make it work:
 What a simulation can see: every tensor the code allocates, by shape and dtype (parameters,
 gradients, optimizer state, buffers it keeps), and every collective it calls, with the bytes it
 would move (dtl.comm.CommCounter counts from shapes). What it cannot: values (no loss, no norm:
-code that reads a number back with .item() must not run), time, the allocator's fragmentation
-and caching, NCCL's own buffers, kernel workspaces, and anything that depends on data (a data_ptr
-comparison between two fake tensors means nothing). The numbers it gives are what the code
-holds, not what a GPU's memory counter would show on top.
+code that reports a loss reads it with `item`, which gives nan here), time, the allocator's
+fragmentation and caching, NCCL's own buffers, kernel workspaces, and anything that depends on
+data (a data_ptr comparison between two fake tensors means nothing: dtl.state.storage_key tells
+tensors apart by their storage instead). The numbers it gives are what the code holds, not what
+a GPU's memory counter would show on top.
+
+Inside fake_world, two pieces of bookkeeping run on real tensors: a DeviceMesh's and our
+ParallelGrid's rank tables, which they read back as numbers. DeepSpeed needs more:
+deepspeed_under_fake_tensors. Used by day 18's, 22's, 23's and 28's scale.py.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def _grid():
 
 
 def _methods(cls) -> list[str]:
+    """The functions defined on cls itself (plain and static methods; classmethods and
+    properties are not callable in vars() and are left as they are)."""
     return [n for n, v in vars(cls).items() if callable(v) or isinstance(v, staticmethod)]
 
 
@@ -132,6 +139,8 @@ def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
       - from the second step, the module trace is checked equal on every rank by reading rank
         0's back (assert_ints_same_as_other_ranks): one simulated rank is its own rank 0.
     NVMe offload writes data to disk and reads it back: it cannot be simulated."""
+    if not dist.is_initialized() or dist.get_backend() != "fake":
+        raise SimulateError("deepspeed_under_fake_tensors runs inside fake_world only")
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import partitioned_param_coordinator, stage3
 
@@ -157,14 +166,14 @@ def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
          lambda self, *a, **k: build(self, *a, **{**k, "dont_change_device": True})),
         (stage3, "is_invalid_grad_norm", lambda norm: False),
         (optimizer, "complete_grad_norm_calculation_for_cpu_offload",
-         lambda self, params: torch.zeros(())),
+         lambda self, params: torch.zeros(())),  # host: a norm nothing reads, in a fake world
         (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", lambda ints: None),
     ]  # fmt: skip
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    os.environ.update(env)
-    for owner, name, fn in patches:
-        setattr(owner, name, fn)
     try:
+        os.environ.update(env)
+        for owner, name, fn in patches:
+            setattr(owner, name, fn)
         yield ds
     finally:
         from deepspeed.utils import groups

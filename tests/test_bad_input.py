@@ -35,6 +35,7 @@ CASES = {
         (["--gpus=8,x"], "gpus must be comma-separated integers"),
         (["--micro_batches=-1"], "'micro_batches' must be an integer >= 0"),
         (["--gpus=0"], "gpus must be >= 1, got '0'"),
+        (["--models=gpt-6.6b", "--gpus=1"], "plan.py finds no layout of gpt-6.6b that fits 1"),
     ],
     "day28_gpt125m.scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),

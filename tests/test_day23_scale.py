@@ -25,7 +25,7 @@ def test_simulated_deepspeed_holds_what_predict_says_at_scale(template, world):
         assert got[loc] == pytest.approx(want[loc], abs=0), (template, world, loc)
 
 
-def _gathered_with(live: float, reuse: float) -> tuple[float, float, float]:
+def _gathered_with(monkeypatch, live: float, reuse: float) -> tuple[float, float, float]:
     """(predicted, simulated, the release rule's peak) gathered elements of a 4 x 256 GPT (its
     matrices above the template's persistence threshold: 196-262 K, wpe 524 K, wte 12.9 M)
     with the two limits at the size of a few of them."""
@@ -40,28 +40,29 @@ def _gathered_with(live: float, reuse: float) -> tuple[float, float, float]:
         )  # fmt: skip
         return ds
 
-    scale.ds_config = ds_config
-    try:
-        got = scale.simulate(cfg, "zero3", 8)["device"]["gathered"] / 4
-        want = predict.predict(ds_config("zero3", 8), predict.param_groups(cfg), 8)
-    finally:
-        scale.ds_config = original
-    sizes = [n for g in predict.param_groups(cfg) for n in g if n > 100_000]  # non-persistent
-    return want["device"]["gathered"] / 4, got, predict._retained(sizes, reuse)
+    monkeypatch.setattr(scale, "ds_config", ds_config)
+    ds = ds_config("zero3", 8)
+    e = predict.element_bytes(ds)
+    got = scale.simulate(cfg, "zero3", 8)["device"]["gathered"] / e
+    want = predict.predict(ds, predict.param_groups(cfg), 8)["device"]["gathered"] / e
+    threshold = predict.persistence_threshold(ds["zero_optimization"])
+    sizes = [n for g in predict.param_groups(cfg) for n in g if n > threshold]  # non-persistent
+    return want, got, predict._retained(sizes, reuse)
 
 
-def test_the_gathered_peak_follows_the_release_rule_where_the_live_cap_is_below_it():
-    predicted, simulated, released = _gathered_with(live=2e5, reuse=1.5e6)
+def test_the_gathered_peak_follows_the_release_rule_where_the_live_cap_is_below_it(monkeypatch):
+    predicted, simulated, released = _gathered_with(monkeypatch, live=2e5, reuse=1.5e6)
     everything = sum(n for g in predict.param_groups(predict.gpt_of(4, 256)) for n in g)
     assert simulated < everything  # the rules bind: not every parameter stays gathered
     assert simulated == released <= predicted
 
 
-def test_the_gathered_peak_stays_under_the_live_cap_where_prefetch_sets_it():
+def test_the_gathered_peak_stays_under_the_live_cap_where_prefetch_sets_it(monkeypatch):
     """Prefetch stops once the cap is reached, the last parameter added past it: the bound is
     the cap plus the largest parameter (wte: 12.9 M), and the peak lands over the cap."""
-    predicted, simulated, _ = _gathered_with(live=3e6, reuse=1e5)
-    wte = 50304 * 256
+    predicted, simulated, _ = _gathered_with(monkeypatch, live=3e6, reuse=1e5)
+    cfg = predict.gpt_of(4, 256)
+    wte = cfg.vocab_size * cfg.n_embd
     assert predicted == 3e6 + wte
     assert 3e6 < simulated <= predicted
 
@@ -71,4 +72,10 @@ def test_nvme_offload_is_refused_by_the_simulation():
     ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
     with fake_world(8), pytest.raises(SimulateError, match="NVMe offload"):
         with deepspeed_under_fake_tensors(ds):
+            pass
+
+
+def test_deepspeed_patches_are_refused_outside_a_fake_world():
+    with pytest.raises(SimulateError, match="inside fake_world only"):
+        with deepspeed_under_fake_tensors(scale.ds_config("zero3", 8)):
             pass

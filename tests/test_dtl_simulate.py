@@ -96,9 +96,11 @@ def test_simulated_tp_and_pp_stack_holds_and_sends_what_a_real_gloo_run_does(wor
 
 
 def test_simulated_picks_of_plan_py_hold_its_formulas_at_8_and_64_gpus():
-    """params, PP, DP bytes and the state exact; TP within the ends' all-reduces, which plan.py
-    leaves out: the embedding's forward on the first stage, the tied head's backward on the
-    last, each 2(t-1)/t s b h x 2 B against the layers' 8(t-1)/t (L/p) s b h x 2 B."""
+    """params, PP, DP bytes and the state exact; TP is plan.py's layers' term, 8(t-1)/t (L/p)
+    s b h x 2 B, plus what plan leaves out, to the byte: the embedding's all-reduce in forward
+    on the first stage, the tied head's in backward on the last (2(t-1)/t s b h x 2 B each),
+    and on the last the vocab-parallel loss's three all-reduces of s b fp32 numbers."""
+    cfg = plan.MODELS["gpt2-124m"]
     rows = []
     for gpus in (8, 64):
         for which, lay, best in stack_scale.picks("gpt2-124m", gpus):
@@ -107,7 +109,11 @@ def test_simulated_picks_of_plan_py_hold_its_formulas_at_8_and_64_gpus():
     for lay, r in rows:
         for key in ("params", "pp", "dp", "state"):
             assert r[f"{key}_sim"] == r[f"{key}_formula"], (lay, key)
-        ends = 2 if lay.pp == 1 else 1  # the simulated rank is on the first stage
-        layers = plan.MODELS["gpt2-124m"].n_layer // lay.pp
-        want = ends / (4 * layers) if lay.tp > 1 else 0.0
-        assert stack_scale.gap(r, "tp") == pytest.approx(want, abs=2e-4), lay
+        ring = 2 * (lay.tp - 1) / lay.tp  # an all-reduce's bytes per rank, per byte reduced
+        sbh = cfg.block_size * r["b"] * cfg.n_embd * 2  # one bf16 activation
+        layers = 4 * ring * (cfg.n_layer // lay.pp) * sbh
+        first = ring * sbh if r["stage"] == 0 else 0
+        loss = 3 * ring * cfg.block_size * r["b"] * 4  # max, sum of exp, target logit: fp32
+        last = ring * sbh + loss if r["stage"] == lay.pp - 1 else 0
+        assert r["tp_formula"] == pytest.approx(layers, rel=1e-12), lay
+        assert r["tp_sim"] == pytest.approx(layers + first + last, rel=1e-12), lay
