@@ -54,9 +54,21 @@ def saved_activation_bytes(module: nn.Module, *inputs) -> tuple[int, torch.Tenso
 
 
 def layer_terms(
-    s: int, b: int, h: int, a: int, t: int, elem_bytes: int, dropout: bool, fused_attention: bool
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int,
+    elem_bytes: int,
+    dropout: bool,
+    fused_attention: bool,
+    ln_stats_bytes: int = 4,
 ) -> dict[str, float]:
-    """Bytes per layer per TP rank, one entry per saved tensor (the table above)."""
+    """Bytes per layer per TP rank, one entry per saved tensor (the table above).
+
+    ln_stats_bytes: LayerNorm keeps its mean and rstd in fp32 for fp32 inputs, and for 16-bit
+    ones on CUDA (its accumulation type); the CPU kernel keeps them in the input's 16-bit type
+    (measured here with torch 2.13: pass 2 for a CPU bf16 run)."""
     e, sbh = elem_bytes, s * b * h
     terms = {
         "ln_1 input": sbh * e,
@@ -67,7 +79,7 @@ def layer_terms(
         "c_fc input": sbh * e,
         "GELU input": 4 * sbh * e / t,
         "mlp c_proj input": 4 * sbh * e / t,
-        "LayerNorm mean, rstd": 2 * 2 * s * b * 4,
+        "LayerNorm mean, rstd": 2 * 2 * s * b * ln_stats_bytes,
     }
     if fused_attention:
         # the kernel's output is laid out (B, T, nh, hs), so transposing it back for c_proj is
@@ -83,6 +95,39 @@ def layer_terms(
     return terms
 
 
+# the terms the attention core saves: what selective recomputation drops (layer_terms' keys)
+ATTENTION_CORE = (
+    "softmax(QK^T)",
+    "causal mask (s x s bool)",
+    "attention dropout mask + output",
+    "logsumexp (fused kernel)",
+)
+
+
+def recompute_terms(terms: dict[str, float], mode: str, layer_input: float) -> dict[str, float]:
+    """layer_terms under activation recomputation (dtl.model's set_recompute):
+    none       every term;
+    selective  all but the attention core's (recomputed in backward from Q, K, V, kept anyway);
+    full       the layer's input only, `layer_input` bytes (the block reruns in backward)."""
+    if mode == "none":
+        return dict(terms)
+    if mode == "selective":
+        return {k: v for k, v in terms.items() if k not in ATTENTION_CORE}
+    if mode == "full":
+        return {"layer input": layer_input}
+    raise ValueError(f"unknown recompute '{mode}'; one of none, selective, full")
+
+
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int) -> float:
     """The paper's per-layer formula (16-bit, dropout, scores materialized)."""
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def korthikanti_recompute_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, mode: str):
+    """The paper's Table 2, per layer per rank (16-bit, dropout): no recomputation, selective
+    (the 5as/h attention-core term gone), full (the layer's input only: 2sbh, as the table
+    writes it; under SP a rank's input is its s/t tokens, so 2sbh/t, which the run measures)."""
+    scores = 5 * a * s / (h * t)
+    rest = 34 / t if sp else 10 + 24 / t
+    per = {"none": rest + scores, "selective": rest, "full": 2 / t if sp else 2}[mode]
+    return s * b * h * per

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 -m day21_sp_cp.bench --part=ring     # cp = 2 and 4
     torchrun --standalone --nproc_per_node=2 -m day21_sp_cp.bench --part=memory   # t = cp = 2
+    torchrun --standalone --nproc_per_node=2 -m day21_sp_cp.bench --part=recompute  # t = 2
 
 ring: causal ring attention (forward + backward) on one (1, heads, T, head dim) sequence, split
 contiguous and zig-zag, at cp = 2 (two rings side by side) and cp = 4. Per rank: the blocks it
@@ -14,6 +15,10 @@ inside compute ranges (outputs/day21_sp_cp/bench/traces).
 memory: the bytes one GPT-2-width layer (h 768, 12 heads) saves for backward on a rank under
 none / TP / TP + SP / CP (ring) / CP (Ulysses) at three sequence lengths, beside
 formulas.layer_terms; the long-context table of GPT-2 124M from the paper's formulas; a PNG.
+recompute: the same layer under no / selective / full activation recomputation (dtl.model's
+set_recompute), one rank of none, TP and TP + SP at t = 2, in bf16, with the scores materialized
+(the paper's case) and with the fused kernel: measured, the formula (layer_terms under
+recompute_terms) and the paper's Table 2 (16-bit, with dropout, which this model has not).
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from day19_tp.activations import saved_activation_bytes
+from day19_tp.activations import (
+    korthikanti_recompute_bytes,
+    recompute_terms,
+    saved_activation_bytes,
+)
 from day19_tp.tp import apply_tp
 from day21_sp_cp import formulas
 from day21_sp_cp.cp import apply_cp
@@ -37,17 +46,19 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import cp_shard
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, preset
+from dtl.model import GPT, Recompute, naive_attention, preset, sdpa_attention
 from dtl.profile import hidden_fraction, parse_trace
 
 SPLITS = ("contiguous", "zigzag")
+RECOMPUTES = get_args(Recompute)
 LAYOUTS = tuple(formulas.LAYOUTS)
 
 
 @dataclass
 class Config:
-    # ring (imbalance, overlap, vs one process) | memory (activations)
-    part: Literal["ring", "memory"] = "ring"
+    # ring (imbalance, overlap, vs one process) | memory (activations) | recompute (the same
+    # under activation recomputation)
+    part: Literal["ring", "memory", "recompute"] = "ring"
     seq_len: int = 2048  # ring: tokens of the one sequence
     heads: int = 4  # ring: attention heads
     head_dim: int = 32  # ring: head dim
@@ -60,13 +71,13 @@ class Config:
         world = dtl_dist.launch_world_size()
         if self.part == "ring" and (world < 2 or self.seq_len % (2 * world)):
             raise err(f"part=ring needs >= 2 ranks and seq_len divisible by 2 x {world}")
-        if self.part == "memory" and world != 2:
-            raise err("part=memory runs on 2 ranks (t = 2, cp = 2)")
+        if self.part in ("memory", "recompute") and world != 2:
+            raise err(f"part={self.part} runs on 2 ranks (t = 2)")
         try:
             seqs = [int(s) for s in self.seqs.split(",")]
         except ValueError:
             raise err(f"seqs must be comma-separated integers, got '{self.seqs}'") from None
-        if self.part == "memory" and any(s % 4 for s in seqs):
+        if self.part in ("memory", "recompute") and any(s % 4 for s in seqs):
             raise err(f"every memory sequence length must divide by 4, got {seqs}")
 
 
@@ -289,6 +300,20 @@ def _print_memory(seqs, table) -> None:
             f"{row['s']:>7,} {row['scores']:>13.1f} {row['fused']:>14.2f} {row['tp_sp']:>9.3f} "
             f"{row['tp_sp_cp']:>7.4f}"
         )
+    _print_attention_flops()
+
+
+def _print_attention_flops() -> None:
+    """The compute side of long context: attention's share of a training step's FLOPs."""
+    models = {"GPT-2 124M": preset("gpt2-124m"), "7B (LLaMA-2 shape)": formulas.SEVEN_B}
+    seqs = [2**k * 1024 for k in range(0, 8)]
+    print("training FLOPs per token: attention 12·L·C·T against the weights' 6N (share of total)")
+    print(f"{'s':>7} " + " ".join(f"{name:>20}" for name in models))
+    for i, s in enumerate(seqs):
+        cells = [formulas.attention_flops_rows(m, seqs)[i]["share"] for m in models.values()]
+        print(f"{s:>7,} " + " ".join(f"{c:>20.1%}" for c in cells))
+    for name, m in models.items():
+        print(f"  {name}: attention equals 6N at T = {formulas.attention_crossover(m):,.0f}")
 
 
 def _plot_memory(cfg, seqs, table) -> None:
@@ -315,6 +340,88 @@ def _plot_memory(cfg, seqs, table) -> None:
     print(f"plot: {path}")
 
 
+# --- part recompute -----------------------------------------------------------------------------
+
+RECOMPUTE_LAYOUTS = ("none", "tp", "tp_sp")
+ATTENTIONS = {"materialized": naive_attention, "fused": sdpa_attention}
+
+
+def _recompute_layer_bytes(layout: str, attention: str, mode: str, s: int, grid) -> int:
+    """Bytes block 0 of a one-layer GPT-2-width model (bf16) saves for backward on this rank."""
+    cfg = preset("gpt2-124m", n_layer=1, block_size=s, vocab_size=256)
+    gpt = GPT(cfg, seed=0)
+    tokens = s
+    if layout in ("tp", "tp_sp"):
+        apply_tp(gpt, grid)
+    if layout == "tp_sp":
+        apply_sp(gpt)
+        tokens = s // grid.tp_size
+    gpt.set_attention(ATTENTIONS[attention])
+    gpt.set_recompute(mode)
+    gpt = gpt.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, cfg.n_embd, generator=g).to(torch.bfloat16)  # host: CPU-only
+    got, _ = saved_activation_bytes(gpt.blocks["0"], x.requires_grad_())
+    return got
+
+
+def _recompute_formula(layout: str, attention: str, mode: str, s: int, t: int) -> float:
+    cfg = preset("gpt2-124m")
+    h, a, e = cfg.n_embd, cfg.n_head, 2
+    kw = formulas.LAYOUTS[layout](t)
+    # this bench runs on the CPU, whose LayerNorm keeps its mean and rstd in bf16 (CUDA: fp32)
+    terms = formulas.layer_terms(
+        s, 1, h, a, elem_bytes=e, attention=attention, ln_stats_bytes=e, **kw
+    )
+    layer_input = s // (t if kw.get("sp") else 1) * h * e
+    return sum(recompute_terms(terms, mode, layer_input).values())
+
+
+def _paper(layout: str, mode: str, s: int, t: int) -> float:
+    cfg = preset("gpt2-124m")
+    t = t if layout != "none" else 1
+    return korthikanti_recompute_bytes(s, 1, cfg.n_embd, cfg.n_head, t, layout == "tp_sp", mode)
+
+
+def part_recompute(cfg: Config, info) -> str:
+    grid = ParallelGrid(tp=2)
+    seqs = [int(s) for s in cfg.seqs.split(",")]
+    rows = []
+    for attention in ATTENTIONS:
+        for layout in RECOMPUTE_LAYOUTS:
+            for mode in RECOMPUTES:
+                got = [_recompute_layer_bytes(layout, attention, mode, s, grid) for s in seqs]
+                want = [_recompute_formula(layout, attention, mode, s, 2) for s in seqs]
+                rows.append((attention, layout, mode, got, want, _paper(layout, mode, seqs[-1], 2)))
+    worst = max(abs(g - w) for *_, got, want, _ in rows for g, w in zip(got, want))
+    kept = {(a, lay, m): got[-1] for a, lay, m, got, *_ in rows}
+    if info.is_main:
+        _print_recompute(seqs, rows)
+    sel = kept["materialized", "none", "selective"] / kept["materialized", "none", "none"]
+    full = kept["materialized", "none", "full"] / kept["materialized", "none", "none"]
+    return (
+        f"summary: day21 recompute, one GPT-2-width layer per rank (none, TP, TP+SP at t = 2; "
+        f"none / selective / full; s = {cfg.seqs}; bf16) vs layer_terms under recompute: worst "
+        f"|measured - formula| = {worst:,.0f} B over {len(rows) * len(seqs)} cases; at "
+        f"s = {seqs[-1]} with the scores materialized, "
+        f"selective keeps {sel:.1%} and full {full:.1%} of no recomputation"
+    )
+
+
+def _print_recompute(seqs, rows) -> None:
+    print("one layer, h 768, 12 heads, b 1, bf16; MB saved for backward on rank 0 (t = 2):")
+    head = " ".join(f"{'s = ' + str(s):>17}" for s in seqs)
+    paper = f"paper @ {seqs[-1]}"
+    print(f"{'attention':<13}{'layout':<7}{'recompute':<10} {head} {paper:>13}")
+    for attention, layout, mode, got, want, paper in rows:
+        cells = " ".join(f"{g / 1e6:7.2f} / {w / 1e6:7.2f}" for g, w in zip(got, want))
+        print(f"{attention:<13}{layout:<7}{mode:<10} {cells} {paper / 1e6:>13.2f}")
+    print(
+        "(measured / formula; paper: Korthikanti et al. Table 2, 16-bit with dropout: it adds "
+        "the dropout masks, 2sbh + 3as²b, that this model (dropout 0) does not keep)"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     info = dtl_dist.init(backend="gloo")  # counts work and bytes: CPU tensors, on any machine
@@ -324,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
             "spans and CPU activation bytes); this PASS is not a GPU result"
         )
     dtl_config.save(cfg, cfg.out_dir, argv)
-    line = part_ring(cfg, info) if cfg.part == "ring" else part_memory(cfg, info)
+    parts = {"ring": part_ring, "memory": part_memory, "recompute": part_recompute}
+    line = parts[cfg.part](cfg, info)
     dtl_dist.print0(line)
     dtl_dist.cleanup()
 

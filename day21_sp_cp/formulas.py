@@ -24,7 +24,7 @@ from __future__ import annotations
 from day19_tp.activations import korthikanti_bytes
 from day19_tp.activations import layer_terms as tp_layer_terms
 from day19_tp.formulas import comm_elements_per_step, ring_bytes
-from dtl.model import GPTConfig
+from dtl.model import GPTConfig, num_params
 
 GB = 1e9
 
@@ -54,6 +54,7 @@ def layer_terms(
     dropout: bool = False,
     attention: str = "fused",
     save_gathered: bool = False,
+    ln_stats_bytes: int = 4,
 ) -> dict[str, float]:
     """Bytes one layer saves for backward on one rank, one entry per saved tensor.
 
@@ -65,7 +66,7 @@ def layer_terms(
     fused = attention != "materialized"
     if cp > 1 and not fused:
         raise ValueError("CP attention here is ring or Ulysses: no s x s scores are kept")
-    terms = tp_layer_terms(s // cp, b, h, a, t, elem_bytes, dropout, fused)
+    terms = tp_layer_terms(s // cp, b, h, a, t, elem_bytes, dropout, fused, ln_stats_bytes)
     if sp:
         for name in NOT_SPLIT_BY_TP:
             if name in terms and not (save_gathered and name in ("c_attn input", "c_fc input")):
@@ -112,6 +113,30 @@ def long_context_rows(cfg: GPTConfig, seqs, b: int = 1, t: int = 8, cp: int = 8)
             )
         )
     return rows
+
+
+# --- compute: the attention term against the rest ---------------------------------------------
+
+# a 7 B GPT of LLaMA-2 7B's shape (32 layers, 4,096 wide, 32 heads, 32,000 words; its MLP and
+# norms differ from this GPT's, so N here is 6.6 B): the long-context side of the comparison
+SEVEN_B = GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=4096, vocab_size=32000)
+
+
+def attention_flops_rows(cfg: GPTConfig, seqs) -> list[dict]:
+    """Training FLOPs per token at each sequence length (day 27's PaLM convention): the weights'
+    6N and the attention scores' 12·L·C·T (Q·K^T and P·V, forward and backward, full T x T),
+    and the share attention takes."""
+    n = num_params(cfg, exclude_position_embedding=True)
+    rows = []
+    for s in seqs:
+        attn = 12 * cfg.n_layer * cfg.n_embd * s
+        rows.append(dict(s=s, dense=6 * n, attn=attn, share=attn / (attn + 6 * n)))
+    return rows
+
+
+def attention_crossover(cfg: GPTConfig) -> float:
+    """The sequence length where attention's 12·L·C·T equals the weights' 6N: T = N / (2·L·C)."""
+    return num_params(cfg, exclude_position_embedding=True) / (2 * cfg.n_layer * cfg.n_embd)
 
 
 # --- communication ---------------------------------------------------------------------------

@@ -77,11 +77,12 @@ def _precision(cfg: Config, device) -> Precision:
     return PRECISIONS[cfg.precision]
 
 
-def measure_step(cfg: Config, device, precision: Precision) -> float:
+def measure_step(cfg: Config, device, precision: Precision, recompute: str = "none") -> float:
     """Tokens per second of the model's training step (forward, backward, AdamW)."""
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
     model = GPT(mcfg, seed=0).to(device)
+    model.set_recompute(recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for step in range(cfg.steps + 1):
@@ -159,12 +160,40 @@ def part_mfu(cfg: Config) -> str:
         f"step: {tok_s:,.0f} tokens/s x {formula / 1e6:.2f} MFLOP = {achieved / 1e9:.2f} "
         f"GFLOP/s: MFU {ours:.1%} of the measured ceiling{vs_peak}"
     )
+    hfu = recompute_rows(cfg, device, precision, x, counted, formula, ceil["ceiling"])
     return (
         f"summary: day27 mfu {cfg.model} T={cfg.seq_len} {device.type} {str(dtype)[6:]}: "
         f"published figures reproduced (worst {worst_pub:.1e}); FlopCounterMode "
         f"{counted / formula - 1:+.2%} vs 6N+12LHQT; ceiling {ceil['ceiling'] / 1e9:.1f} "
-        f"GFLOP/s; MFU {ours:.1%} of the ceiling{vs_peak}"
+        f"GFLOP/s; MFU {ours:.1%} of the ceiling{vs_peak}; recomputation: {hfu}"
     )
+
+
+def recompute_rows(cfg: Config, device, precision, x, counted_none, model_flops, ceiling) -> str:
+    """Per recompute mode: FLOPs FlopCounterMode counts beyond "none" vs recompute_flops_per_token,
+    the step's tokens/s, MFU (model FLOPs) and HFU (model + recomputed FLOPs), of the ceiling."""
+    mcfg = preset(cfg.model)
+    print("activation recomputation (dtl.model set_recompute): FLOPs per token and utilization")
+    print(
+        f"  {'mode':<10}{'recomputed MFLOP/token':>24}{'formula':>9}{'tokens/s':>10}"
+        f"{'MFU':>7}{'HFU':>7}"
+    )
+    worst, parts = 0.0, []
+    for mode in ("none", "selective", "full"):
+        model = GPT(mcfg, seed=0).to(device)
+        model.set_recompute(mode)
+        extra = mfu.counted_flops_per_token(model, x, x) - counted_none
+        want = mfu.recompute_flops_per_token(mcfg, cfg.seq_len, mode)
+        worst = max(worst, abs(extra - want) / want if want else abs(extra))
+        tok_s = measure_step(cfg, device, precision, mode)
+        model_u = mfu.mfu(model_flops, tok_s, ceiling)
+        hw_u = mfu.mfu(model_flops + want, tok_s, ceiling)
+        print(
+            f"  {mode:<10}{extra / 1e6:>24.3f}{want / 1e6:>9.3f}{tok_s:>10,.0f}"
+            f"{model_u:>7.1%}{hw_u:>7.1%}"
+        )
+        parts.append(f"{mode} MFU {model_u:.1%} HFU {hw_u:.1%}")
+    return f"counted vs formula worst {worst:.1e}; " + ", ".join(parts)
 
 
 # --- part traces ------------------------------------------------------------------------------

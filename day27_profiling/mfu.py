@@ -18,7 +18,8 @@ forward, so 12·L·H·Q·T forward + backward. Conventions differ on what they c
 
 MFU = model FLOPs per token x tokens/s / peak FLOP/s (Chowdhery et al. 2022, App. B): what the
 model needs, whatever the implementation recomputes. HFU counts what the hardware executed,
-recomputation included (Korthikanti et al. 2022), so HFU >= MFU.
+recomputation included (Korthikanti et al. 2022), so HFU >= MFU: model FLOPs plus
+recompute_flops_per_token, which bench.py's part mfu checks against FlopCounterMode per mode.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def flops_per_token(
     if convention == "megatron_recompute":
         return 96 * L * C * C * (1 + T / (6 * C) + V / (16 * L * C))
     raise ValueError(f"unknown convention '{convention}'; one of {', '.join(CONVENTIONS)}")
+
+
+def recompute_flops_per_token(cfg: GPTConfig, seq_len: int, mode: str) -> float:
+    """FLOPs per token that activation recomputation (dtl.model's set_recompute) adds: the
+    forwards it runs again in backward, counted as FlopCounterMode counts (matmuls only).
+
+    selective  the attention core's forward, Q·K^T and P·V: 4·L·H·Q·T
+    full       each block's forward but its last matmul: c_attn, c_proj and c_fc, 2 x 8·C² per
+               layer, and the core. torch's non-reentrant checkpoint stops recomputing once it
+               has every tensor backward needs (early stop, its default); mlp.c_proj's output is
+               not one of them (its backward needs its input and the incoming gradient), so its
+               4·C² weights are never rerun: FlopCounterMode shows it (day 27's bench).
+    The head (ln_f, lm_head) is never recomputed. Megatron's full recomputation reruns the whole
+    layer (96/72 in the `megatron_recompute` convention: 2 x 12·C² more per layer)."""
+    L, H, Q, C, T = cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.n_embd, seq_len
+    core = 4 * L * H * Q * T
+    return {"none": 0.0, "selective": core, "full": 2 * 8 * L * C * C + core}[mode]
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:

@@ -19,6 +19,13 @@ What makes it ready to be split:
 - The loss is outside `forward` (`loss_fn`), and `forward`/`embed` take position ids, so a
   context-parallel rank can hold non-contiguous (zig-zag) chunks of the sequence and a
   vocabulary-parallel loss can replace the plain one.
+- Activation recomputation is one call, `model.set_recompute(mode)`, before or after a strategy
+  wraps the blocks: "selective" recomputes the attention core (softmax(QK^T)V) in backward
+  instead of keeping what it saved, "full" keeps only each block's input and reruns the whole
+  block (Korthikanti et al. 2022, section 5). It changes no parameter, so it is not in
+  GPTConfig. Both go through torch.utils.checkpoint, non-reentrant: collectives inside a block
+  (TP's, SP's) run again in backward, in the same order on every rank. Gradients are those of
+  the run without recomputation, bit for bit (tests/test_dtl_recompute.py).
 
 Presets. `tiny` is for the many multi-rank tests. Its attention key bias has a gradient that is
 zero in exact arithmetic (q·b_k is the same for every key, and softmax ignores a constant), so in
@@ -38,11 +45,12 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dtl.precision import at_least_fp32
 
@@ -63,6 +71,10 @@ def pad_vocab_size(vocab_size: int, multiple: int = 1, tp_size: int = 1) -> int:
         )
     step = multiple * tp_size
     return -(-vocab_size // step) * step
+
+
+# what a block keeps for backward: everything it saves, all but the attention core's, its input
+Recompute = Literal["none", "selective", "full"]
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,11 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return att @ v  # (B, nh, T, hs)
 
 
+def _recomputing(on: bool) -> bool:
+    """Recompute only where a backward will follow (not under no_grad, e.g. evaluation)."""
+    return on and torch.is_grad_enabled()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -197,6 +214,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_fn: AttentionFn = sdpa_attention
+        self.recompute_core = False  # GPT.set_recompute("selective")
 
     @property
     def n_local_heads(self) -> int:
@@ -210,7 +228,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split(nh * hs, dim=2)  # 3 x (B, T, nh*hs)
         # (B, T, nh*hs) -> (B, nh, T, hs): heads become a batch dimension
         q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
-        y = self.attn_fn(q, k, v)
+        if _recomputing(self.recompute_core):  # keep q, k, v (views of the c_attn output, kept
+            # anyway); what the core saves (scores, or the fused kernel's logsumexp) is not kept
+            y = checkpoint(self.attn_fn, q, k, v, use_reentrant=False)
+        else:
+            y = self.attn_fn(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))  # under TP: a partial sum, (B, T, C)
 
@@ -234,8 +256,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute_all = False  # GPT.set_recompute("full")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _recomputing(self.recompute_all):  # keep x only; backward reruns the block first
+            return checkpoint(self._layer, x, use_reentrant=False)
+        return self._layer(x)
+
+    def _layer(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -271,6 +299,11 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             block.attn.attn_fn = attn_fn
 
+    def set_recompute(self, mode: Recompute) -> None:
+        """What each block keeps for backward: "none" everything it saves, "selective" all but
+        the attention core's (recomputed in backward), "full" its input (the block reruns)."""
+        set_recompute(self.blocks.values(), mode)
+
     # --- the three pieces a pipeline stage composes -----------------------------------------
     def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids, optional (T,) or (B, T) position ids -> (B, T, C) hidden states."""
@@ -294,6 +327,15 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return self.head(x) if self.lm_head is not None else x
+
+
+def set_recompute(blocks, mode: Recompute) -> None:
+    """GPT.set_recompute for any blocks (a pipeline stage's, a strategy's own module list)."""
+    if mode not in get_args(Recompute):
+        raise ValueError(f"unknown recompute '{mode}'; one of {', '.join(get_args(Recompute))}")
+    for block in blocks:
+        block.recompute_all = mode == "full"
+        block.attn.recompute_core = mode == "selective"
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

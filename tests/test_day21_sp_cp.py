@@ -118,7 +118,7 @@ def _global_batch(step, dp=1):
     return rows[:, :-1], rows[:, 1:]
 
 
-def _train(grid, attn, opt_name, tp_sp=(False, False), save_gathered=False):
+def _train(grid, attn, opt_name, tp_sp=(False, False), save_gathered=False, recompute="none"):
     """K steps of the GPT with CP (and TP, SP) over `grid`, DDP over dp x cp: losses, the
     first step's gradients, the final parameters (all re-assembled), last step's bytes by kind."""
     use_tp, use_sp = tp_sp
@@ -128,6 +128,7 @@ def _train(grid, attn, opt_name, tp_sp=(False, False), save_gathered=False):
     if use_sp:
         apply_sp(gpt, save_gathered)
     apply_cp(gpt, grid, attn)
+    gpt.set_recompute(recompute)
     group = grid.group("dp", "cp")
     model = (
         nn.parallel.DistributedDataParallel(gpt, process_group=group) if group.size() > 1 else gpt
@@ -318,6 +319,11 @@ def _world_body(world_size):
     out["cp", "ring", "sgd"] = _train(grid_cp, "ring", "sgd")
     out["cp", "ulysses", "sgd"] = _train(grid_cp, "ulysses", "sgd")
     out["tp", "sgd"] = _train(grid_tp, "ring", "sgd", (True, False))
+    # recomputation: SP's collectives and ring attention's p2p run again inside backward
+    out["tp_sp", "full", "sgd"] = _train(grid_tp, "ring", "sgd", (True, True), recompute="full")
+    out["cp", "ring_zigzag", "selective", "sgd"] = _train(
+        grid_cp, "ring_zigzag", "sgd", recompute="selective"
+    )
     if world_size == 4:  # the 2-D grids: CP x DP and CP x TP + SP
         out["cp_dp", "sgd"] = _train(ParallelGrid(cp=2, dp=2), "ring_zigzag", "sgd")
         grid = ParallelGrid(cp=2, tp=2)
@@ -433,6 +439,8 @@ def _assert_like_dense(got, opt_name, dp=1):
         ("tp", "sgd"),
         ("tp_sp", "sgd"),
         ("tp_sp", "adamw"),
+        ("tp_sp", "full", "sgd"),
+        ("cp", "ring_zigzag", "selective", "sgd"),
     ],
     ids=lambda k: "-".join(k),
 )
@@ -440,6 +448,23 @@ def test_cp_and_sp_gpt_losses_gradients_parameters_after_k_steps_equal_the_dense
     _, ranks = world
     for res in ranks:
         _assert_like_dense(res[key], key[-1])
+
+
+@pytest.mark.parametrize(
+    "key", [("tp_sp", "full", "sgd"), ("cp", "ring_zigzag", "selective", "sgd")], ids="-".join
+)
+def test_recomputation_under_sp_and_ring_attention_changes_no_bit(world, key):
+    """Full recomputation under TP + SP (its all-gathers and reduce-scatters rerun in backward),
+    selective under ring attention (its K/V ring reruns): the same losses, gradients and
+    parameters as the same layout without recomputation, bit for bit."""
+    _, ranks = world
+    plain = tuple(k for k in key if k not in ("full", "selective"))
+    for res in ranks:
+        got, want = res[key], res[plain]
+        assert got["losses"] == want["losses"]
+        for name in want["grads"]:
+            assert torch.equal(got["grads"][name], want["grads"][name]), name
+            assert torch.equal(got["params"][name], want["params"][name]), name
 
 
 @pytest.mark.parametrize("world", [4], indirect=True, ids=["world4"])

@@ -63,6 +63,24 @@ def test_flop_counter_mode_is_6n_plus_attention_plus_the_recompute_minus_the_vec
     assert abs(counted / formula - 1) < 0.01  # and so within 1% of the formula
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_adds_the_flops_the_formula_says_hfu_over_mfu(mode):
+    """FlopCounterMode over a step with set_recompute(mode), minus the same step without it, is
+    recompute_flops_per_token exactly: the attention core's forward again (selective), or each
+    block's forward but mlp.c_proj, which torch's checkpoint never reruns (full: early stop)."""
+    cfg = preset("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for m in ("none", mode):
+        gpt = GPT(cfg, seed=0)
+        gpt.set_recompute(m)
+        counted[m] = mfu.counted_flops_per_token(gpt, x, x)
+    assert counted[mode] - counted["none"] == mfu.recompute_flops_per_token(cfg, 32, mode)
+    whole_layers = 2 * 12 * cfg.n_layer * cfg.n_embd**2  # what a rerun of whole blocks adds
+    if mode == "full":
+        assert counted[mode] - counted["none"] < whole_layers
+
+
 def test_mfu_is_model_flops_over_peak():
     assert mfu.mfu(1e9, 1e3, 1e13) == pytest.approx(1e-1)
 
