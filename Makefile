@@ -3,6 +3,7 @@
 # make gpu-check  the GPU check: the most valuable GPU lines first, inside BUDGET_S seconds
 # make gpu-all    every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
 # make lint       ruff
+# make figures    redraw the notes' figures (dayNN/figures/*.png) from the course's code
 # make wheelhouse every wheel the course needs but torch, for an offline box (tools/wheelhouse.py)
 # Each target installs the project on first use (tools/install.sh); later calls reuse it.
 #
@@ -38,7 +39,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(if $(IN_VENV),$(abspath $(VENV)),$(abspath .dtl-installed))/torch_extensions
 export PATH := $(abspath $(dir $(shell command -v $(PY) 2>/dev/null || echo $(PY)))):$(PATH)
 
-.PHONY: tour test gpu-check gpu-all lint readme install wheelhouse clean
+.PHONY: tour test gpu-check gpu-all lint figures readme install wheelhouse clean
 
 # a new day package needs the editable install redone (its finder maps the packages it knew)
 $(STAMP): pyproject.toml Makefile tools/install.sh tools/warm_deepspeed_ops.py $(wildcard day*/__init__.py)
@@ -70,6 +71,9 @@ wheelhouse: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check dtl day* tests tools
+
+figures: $(STAMP)
+	$(PY) tools/figures.py
 
 readme: $(STAMP)
 	$(PY) -m dtl.registry --write-readme

@@ -5,6 +5,10 @@ Each weight of one block is replaced by a tensor of its element indices, cut wit
 receives it: the picture cannot disagree with the code.
 
     python -m day19_tp.layout --tp=2        # writes outputs/day19_tp/layout.png
+
+`block_figure` draws one block as the notes show it (day19_tp/figures/tp_block.png, through
+tools/figures.py): every activation's shape on one rank, with each linear's split, and so where
+f and g sit, read from the same plan.
 """
 
 from __future__ import annotations
@@ -67,6 +71,147 @@ def plot_layout(cfg: GPTConfig, tp: int, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --- one block as a schematic: shapes per rank, the split of each linear, f and g ------------
+
+TP_COLORS = {
+    "whole": "#E5E5E5",
+    "column": "#A9C4E8",
+    "row": "#F3C6A5",
+    "f": "#55A868",
+    "g": "#C44E52",
+    "add": "white",
+}
+
+
+def _linear(name: str, dense_in: str, dense_out: str) -> tuple[str, str, str, str]:
+    """(style, box text, per-rank input, per-rank output) of one linear, from its TP_PLAN entry:
+    column splits the output features, row the input features (and outputs partial sums)."""
+    shard = tp_shard_of(f"blocks.0.{name}")
+    i, o = (dense_in, f"{dense_out}/t") if shard.style == "column" else (f"{dense_in}/t", dense_out)
+    blocks = f", {shard.blocks} blocks" if shard.blocks > 1 else ""
+    out = f"(B,T,{o})" + (" partial" if shard.style == "row" else "")
+    return shard.style, f"{name}\n{shard.style}{blocks}\nA: ({i}, {o})", f"(B,T,{i})", out
+
+
+def _sublayer(first: str, middle: str, second: str, dims: tuple[str, ...]) -> list[tuple]:
+    """The nodes (kind, text, output shape) of ln -> linear -> middle -> linear -> +, with f
+    before a column-parallel linear and g after a row-parallel one (Megatron's pairing)."""
+    s1, t1, in1, out1 = _linear(first, dims[0], dims[1])
+    s2, t2, in2, out2 = _linear(second, dims[2], dims[3])
+    nodes = [("f", "f", in1)] if s1 == "column" else []
+    nodes += [(s1, t1, out1), ("whole", middle, in2), (s2, t2, out2)]
+    return nodes + ([("g", "g", "(B,T,C)")] if s2 == "row" else []) + [("add", "+", "(B,T,C)")]
+
+
+def _chain(ax, y: float, nodes: list[tuple]) -> list[float]:
+    """Draw nodes left to right on row y, an arrow labelled with each node's output shape after
+    it; returns the x of each node's centre."""
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    x, centres = 0.3, []
+    for k, (kind, text, out) in enumerate(nodes):
+        w = 0.6 if kind in ("f", "g", "add") else 2.1
+        if w < 1:
+            ax.add_patch(Circle((x + w / 2, y), 0.3, fc=TP_COLORS[kind], ec="black"))
+        else:
+            ax.add_patch(
+                FancyBboxPatch(
+                    (x, y - 0.55), w, 1.1, boxstyle="round,pad=0.05", fc=TP_COLORS[kind], ec="black"
+                )
+            )
+        color = "white" if kind in ("f", "g") else "black"
+        ax.text(
+            x + w / 2,
+            y,
+            text,
+            ha="center",
+            va="center",
+            fontsize=8 if w > 1 else 12,
+            color=color,
+            weight="bold" if w < 1 else "normal",
+        )
+        centres.append(x + w / 2)
+        x += w
+        if k < len(nodes) - 1:
+            ax.annotate("", (x + 1.65, y), (x + 0.05, y), arrowprops=dict(arrowstyle="->"))
+            ax.text(
+                x + 0.85, y + 0.1, out.replace(" ", "\n"), ha="center", va="bottom", fontsize=7.5
+            )
+            x += 1.7
+    return centres
+
+
+def block_figure():
+    """One block on one of t ranks, a matplotlib Figure (tools/figures.py saves it for the notes):
+    every activation's shape, each linear's split as TP_PLAN says, f and g where it puts them."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    attn = [("whole", "x\nthe same on\nevery TP rank", "(B,T,C)"), ("whole", "ln_1", "(B,T,C)")]
+    attn += _sublayer(
+        "attn.c_attn",
+        "causal attention\nnh/t heads of hs\nno communication",
+        "attn.c_proj",
+        ("C", "3C", "C", "C"),
+    )
+    mlp = [("whole", "h = x + attn(x)", "(B,T,C)"), ("whole", "ln_2", "(B,T,C)")]
+    mlp += _sublayer(
+        "mlp.c_fc", "GELU\nelement-wise\non my columns", "mlp.c_proj", ("C", "4C", "4C", "C")
+    )
+    fig = Figure(figsize=(14, 4.5))
+    ax = fig.subplots()
+    ends = []
+    for y, nodes in ((4.2, attn), (1.6, mlp)):
+        xs = _chain(ax, y, nodes)
+        ends.append(xs[-1])
+        # the residual: up from the sublayer's input, over it, down into the +
+        x0 = xs[0] + 0.5  # beside where the input arrives from above
+        ax.plot([x0, x0, xs[-1]], [y + 0.6, y + 1.0, y + 1.0], color="gray", ls="--")
+        ax.annotate(
+            "",
+            (xs[-1], y + 0.3),
+            (xs[-1], y + 1.0),
+            arrowprops=dict(arrowstyle="->", color="gray", ls="--"),
+        )
+        ax.text(
+            (xs[0] + xs[-1]) / 2,
+            y + 1.05,
+            "residual (B,T,C)",
+            ha="center",
+            va="bottom",
+            fontsize=7.5,
+            color="gray",
+        )
+    # the attention sublayer's sum feeds the MLP sublayer
+    ax.plot([ends[0], ends[0], xs[0]], [3.9, 2.95, 2.95], color="black", lw=1)
+    ax.annotate("", (xs[0], 2.2), (xs[0], 2.95), arrowprops=dict(arrowstyle="->"))
+    ax.set(xlim=(0, 24.8), ylim=(-0.7, 5.4), aspect="equal")
+    ax.axis("off")
+    handles = [
+        Patch(fc=TP_COLORS["whole"], ec="black", label="whole on every TP rank"),
+        Patch(
+            fc=TP_COLORS["column"],
+            ec="black",
+            label="column parallel: output features split, no communication",
+        ),
+        Patch(
+            fc=TP_COLORS["row"],
+            ec="black",
+            label="row parallel: input features split, outputs partial sums",
+        ),
+        Patch(fc=TP_COLORS["f"], label="f: forward identity, backward all-reduce dL/dx"),
+        Patch(fc=TP_COLORS["g"], label="g: forward all-reduce, backward identity"),
+    ]
+    ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    ax.set_title(
+        "One GPT block on one of t tensor-parallel ranks (dtl.model.TP_PLAN): shapes one "
+        "rank holds; per block 2 all-reduces of B·T·C forward (g), 2 backward (f)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
 
 
 @dataclass

@@ -178,18 +178,17 @@ def measured_runs(root: str = "outputs/day28_gpt125m") -> list[dict]:
     return out
 
 
-def plot(cfg: Config, path: str) -> None:
+def figure(cfg: Config):
     """Per model (a column): memory per GPU and the estimated step against the GPU count, both
-    strategies, the usable memory as a line; a hollow marker does not fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    strategies, the usable memory as a line; a hollow marker does not fit. A matplotlib Figure,
+    no file and no run: `plot` saves it, tools/figures.py draws day 28's notes from it."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     sizes, names = _sizes(cfg.plot_gpus), cfg.models.split(",")
     rows = compare(cfg, sizes)
-    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.5), squeeze=False)
+    fig = Figure(figsize=(4.6 * len(names), 7.5))
+    axes = fig.subplots(2, len(names), squeeze=False)
     for col, name in enumerate(names):
         mem_ax, step_ax = axes[0][col], axes[1][col]
         for strategy, color in (("zero3", "tab:blue"), ("tp_pp", "tab:orange")):
@@ -223,8 +222,11 @@ def plot(cfg: Config, path: str) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(assumptions(cfg), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(cfg: Config, path: str) -> None:
+    figure(cfg).savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
