@@ -12,9 +12,14 @@ READING.md, ...) every .py, .md and .toml file too. The rules:
     same note spells with its folder somewhere, or whose paragraph shows that folder;
   - names with a placeholder (`dayNN`, `<run>`, `*`, `{0,1}`) and command-line flags are skipped;
 - an upper-case doc name (`FOO.md`) outside backticks is a repository file or part of an
-  outside path (`doc/PERFORMANCE.md`, nccl-tests').
+  outside path (`doc/PERFORMANCE.md`, nccl-tests');
+- a backticked dotted name of the course's own code (`dtl.optim.warmup_cosine`,
+  `day20_pp.train`) names a module of the repository and, where it goes on, a name that module
+  defines or imports at its top level (read from its source, nothing imported).
 """
 
+import ast
+import functools
 import os
 import re
 
@@ -100,6 +105,46 @@ def test_no_file_names_a_doc_the_repository_lacks():
     assert not bad, bad
 
 
+OUR_NAME = re.compile(r"`((?:dtl|day\d\d_[a-z0-9_]+)(?:\.\w+)+)(?:\(\))?`")
+
+
+@functools.cache
+def _top_level_names(module_file: str) -> set[str]:
+    names = set()
+    for node in ast.parse(open(os.path.join(ROOT, module_file)).read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _missing_kit_name(dotted: str) -> str | None:
+    """What of `dotted` (package.module[.name...]) the repository lacks, or None."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):  # the longest prefix that is a module
+        path = os.path.join(*parts[:i])
+        for module_file in (path + ".py", os.path.join(path, "__init__.py")):
+            if module_file in FILES:
+                if i < len(parts) and parts[i] not in _top_level_names(module_file):
+                    return f"{'.'.join(parts[:i])} has no {parts[i]}"
+                return None
+    return f"no module {dotted}"
+
+
+def test_every_name_of_the_course_code_the_notes_give_exists():
+    bad = [
+        f"{note}: {problem}"
+        for note in NOTES
+        for name in OUR_NAME.findall(open(os.path.join(ROOT, note)).read())
+        if (problem := _missing_kit_name(name))
+    ]
+    assert not bad, bad
+
+
 def test_the_scan_catches_what_it_should():
     assert _exists("day19_tp/bench.py", "") and _exists("bench.py", "day19_tp")
     assert not _exists("../shared/design/REFERENCES.md", "day16_nccl")
@@ -108,3 +153,8 @@ def test_the_scan_catches_what_it_should():
     assert FILE_NAME.findall("`stage_1_and_2.py:DeepSpeedZeroOptimizer.__init__`") == [
         "stage_1_and_2.py"
     ]
+    assert _missing_kit_name("dtl.model.warmup_cosine") == "dtl.model has no warmup_cosine"
+    assert _missing_kit_name("dtl.optim.warmup_cosine") is None
+    assert _missing_kit_name("dtl.profile.StepTimes.remainder_ms") is None  # a class's member
+    assert _missing_kit_name("day20_pp.nope") == "day20_pp has no nope"
+    assert _missing_kit_name("day99_x.train") == "no module day99_x.train"
