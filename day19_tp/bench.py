@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 -m day19_tp.bench --part=table   # t = 1, 2, 4
     torchrun --standalone --nproc_per_node=2 -m day19_tp.bench --part=ratio   # ~1 min
+    python -m day19_tp.bench --part=node --model=gpt2-124m --batch_size=8 --seq_len=1024
 GPUs: torchrun --standalone --nproc_per_node=gpu -m day19_tp.bench --part=table --model=gpt2-124m \
           --seq_len=512
 
@@ -11,6 +12,10 @@ activation bytes saved by one layer per rank (saved-tensor hooks), TP bytes sent
 ratio: one transformer layer at tp = 2, ours (apply_tp on a dtl GPT block) and megatron-core's
 TransformerLayer (local spec, CPU shim) on the same shapes, forward + backward steps alternating;
 median(ours) / median(megatron). Timings on a shared CPU box are noisy: read the ratio, not ms.
+node: formulas only, no process group: one layer's 4 TP all-reduces per rank (batch_size x
+seq_len tokens, 2-byte values, bandwidth term only) over NVLink and over one InfiniBand port,
+beside its weight matmuls at an assumed rate (formulas.layer_comm_seconds,
+layer_compute_seconds): why TP stays inside a node.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ MB = 1e6
 
 @dataclass
 class Config:
-    # table (t = 1, 2, 4, ... that divide the world) | ratio (ours / megatron)
-    part: Literal["table", "ratio"] = "table"
+    # table (t = 1, 2, 4, ... that divide the world) | ratio (ours / megatron) | node (formulas)
+    part: Literal["table", "ratio", "node"] = "table"
     model: PresetName = "small"  # GPT preset
     batch_size: int = 4  # sequences per rank
     seq_len: int = 64  # tokens per sequence
@@ -115,6 +120,39 @@ def run_table(cfg: Config, info) -> list[dict]:
             f"{r['comm_formula'] / MB:>11.3f}{r['step_ms']:>9.0f}"
         )
     return rows
+
+
+def node_table(cfg: Config) -> str:
+    """Why TP stays inside a node: per layer per rank, the 4 all-reduces' bytes and their time on
+    NVLink and on one IB port, beside the layer's weight matmuls (t = 2, 4, 8; bf16 values)."""
+    mcfg, tokens, elem = preset(cfg.model), cfg.batch_size * cfg.seq_len, 2
+    flops = formulas.ASSUMED_MATMUL_FLOPS
+    lines = [
+        f"why TP stays inside a node: {cfg.model}, {cfg.batch_size} x {cfg.seq_len} tokens, "
+        f"{elem}-byte values, bandwidth term only; per layer per rank",
+        f"{'t':>3}{'sent (4 all-reduces)':>22}{f'NVLink {formulas.NVLINK_H100_GBS:.0f} GB/s':>18}"
+        f"{f'IB {formulas.IB_NDR_GBS:.0f} GB/s':>13}{f'matmul at {flops / 1e12:.0f} TFLOP/s':>24}",
+    ]
+    ratios = []
+    for t in (2, 4, 8):
+        sent = formulas.ring_bytes(4 * tokens * mcfg.n_embd, elem, t)
+        nvlink, ib = (
+            formulas.layer_comm_seconds(mcfg, tokens, t, elem, gbs)
+            for gbs in (formulas.NVLINK_H100_GBS, formulas.IB_NDR_GBS)
+        )
+        compute = formulas.layer_compute_seconds(mcfg, tokens, t, flops)
+        ratios.append((nvlink / compute, ib / compute))
+        what_if = "" if mcfg.n_head % t == 0 else f"  (what-if: {mcfg.n_head} heads do not split)"
+        lines.append(
+            f"{t:>3}{sent / MB:>19.1f} MB{nvlink * 1e3:>15.3f} ms{ib * 1e3:>10.2f} ms"
+            f"{compute * 1e3:>21.3f} ms{what_if}"
+        )
+    lines.append(
+        f"summary: day19 node {cfg.model}: TP comm / matmul per layer {ratios[0][0]:.2f}-"
+        f"{ratios[-1][0]:.2f}x on NVLink, {ratios[0][1]:.1f}-{ratios[-1][1]:.1f}x on one IB port "
+        f"(t = 2-8)"
+    )
+    return "\n".join(lines)
 
 
 def _megatron_layer(grid: ParallelGrid, mcfg):
@@ -192,6 +230,9 @@ def run_ratio(cfg: Config, info) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
+    if cfg.part == "node":  # formulas only: no process group, no tensors
+        dtl_dist.print0(node_table(cfg))
+        return
     info = dtl_dist.init()
     dtl_config.save(cfg, cfg.out_dir, argv)
     if cfg.part == "table":

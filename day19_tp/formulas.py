@@ -18,6 +18,8 @@ NVLINK_H100_GBS = (
     450.0  # NVLink 4, 18 links x 25 GB/s (NVIDIA H100 datasheet: 900 GB/s bidirectional)
 )
 IB_NDR_GBS = 50.0  # one 400 Gb/s NDR InfiniBand port per GPU
+# an assumed achieved bf16 matmul rate (about 40% of the H100's 989 TFLOP/s dense peak)
+ASSUMED_MATMUL_FLOPS = 400e12
 
 
 def block_params(cfg: GPTConfig, t: int) -> int:

@@ -353,7 +353,8 @@ def apply_pp(
 def _done(device: torch.device) -> float:
     """The host time the work queued so far on `device` is done: a received buffer usable, an
     action's kernels run. On NCCL, wait() only orders the GPU stream and kernels run after the
-    host queued them: synchronize, so the timeline's spans and idle time are real."""
+    host queued them: synchronize, so the timeline's spans and idle time are real (not run on a
+    GPU)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()

@@ -184,7 +184,8 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
     norms accept it, and all they add for it is a flag on their parameters: under SP each TP rank
     normalises other tokens, so its weight and bias gradients are partial sums that
     finalize_model_grads all-reduces over TP for every parameter marked `sequence_parallel`.
-    This is that flag on torch's LayerNorm, so SP runs with no apex or TE (and on a CPU)."""
+    This is that flag on torch's LayerNorm, so SP runs with no apex or TE on a CPU (tested); on a
+    GPU without TE it should too (not run on a GPU)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps=eps)

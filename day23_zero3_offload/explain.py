@@ -21,6 +21,7 @@ from day23_zero3_offload.predict import (
     NVME_READ_GBS,
     NVME_WRITE_GBS,
     PCIE_GBS,
+    SEQ_LEN,
     bandwidth_table,
     deepspeed_estimate,
     groups_by_formula,
@@ -101,11 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     from day22_megatron.plan import MODELS as PLAN_MODELS  # the 6.6B GPT of day 22's plan
 
     models = {"gpt2-124m": PRESETS["gpt2-124m"], "gpt-6.6b": PLAN_MODELS["gpt-6.6b"]}
-    tokens = 2 * 1024 * 16  # the templates' micro-batch of 2, x16 accumulation, s = 1024
+    steps = {
+        (ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1))
+        for ds in (read(template_path(t)) for t in TEMPLATES)
+    }
+    batch = ", ".join(f"{b} x {a} x {SEQ_LEN:,} = {b * a * SEQ_LEN:,}" for b, a in sorted(steps))
     dtl_dist.print0(
-        f"one H200, bf16, per step of {tokens:,} tokens: the links (PCIe {PCIE_GBS:.0f} GB/s "
-        f"each way, NVMe {NVME_READ_GBS:.0f}/{NVME_WRITE_GBS:.0f} GB/s) vs compute at "
-        f"{MFU:.0%} MFU\n{bandwidth_table(models, tokens)}"
+        f"one H200, bf16, per step of the templates' micro-batch x accumulation x s tokens "
+        f"({batch}): the links (PCIe {PCIE_GBS:.0f} GB/s each way, NVMe "
+        f"{NVME_READ_GBS:.0f}/{NVME_WRITE_GBS:.0f} GB/s) vs compute at {MFU:.0%} MFU\n"
+        f"{bandwidth_table(models)}"
     )
     dtl_dist.print0(
         f"summary: day23 explain {len(paths)} config(s) checked for {cfg.world} ranks: ok"

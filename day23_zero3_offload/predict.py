@@ -306,6 +306,12 @@ def largest_fit(
 PCIE_GBS = 55.0
 NVME_READ_GBS, NVME_WRITE_GBS = 7.0, 4.0
 MFU = 0.4
+SEQ_LEN = 1024  # tokens per sequence in the link table's step, for both models
+
+
+def step_tokens(ds: dict, seq_len: int = SEQ_LEN) -> int:
+    """Tokens one optimizer step of `ds` trains on one GPU: micro-batch x accumulation x s."""
+    return ds["train_micro_batch_size_per_gpu"] * ds.get("gradient_accumulation_steps", 1) * seq_len
 
 
 def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
@@ -327,19 +333,21 @@ def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
     return dict(up=up, down=down, nvme_read=pred["disk"]["read"], nvme_write=pred["disk"]["write"])
 
 
-def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
+def bandwidth_table(models: dict[str, GPTConfig], seq_len: int = SEQ_LEN) -> str:
     """Per step on one H200, bf16: the seconds the links need beside the seconds of compute
-    (at MFU of the dense peak) for `tokens` tokens, and the tokens per step at which the
-    compute would hide the slowest link (overlapped perfectly)."""
+    (at MFU of the dense peak) for the template's own step (`step_tokens`: its micro-batch and
+    accumulation, sequences of `seq_len` tokens, the attention FLOPs at that length), and the
+    tokens per step at which the compute would hide the slowest link (overlapped perfectly)."""
     head = (
         f"{'model':<11}{'template':<10}{'PCIe up GB':>11}{'down GB':>9}{'NVMe r GB':>10}"
         f"{'w GB':>7}{'link s':>8}{'compute s':>10}{'tokens to hide':>16}"
     )
     lines = [head]
     for name, cfg in models.items():
-        per_token = flops_per_token(cfg, cfg.block_size) / (MFU * H200_BF16_FLOPS)
+        per_token = flops_per_token(cfg, seq_len) / (MFU * H200_BF16_FLOPS)
         for t in TEMPLATES:
             ds = read(template_path(t))
+            tokens = step_tokens(ds, seq_len)
             ds["bf16"] = {"enabled": True}
             b = link_bytes(ds, groups_by_formula(cfg))
             link = max(
@@ -350,6 +358,6 @@ def bandwidth_table(models: dict[str, GPTConfig], tokens: int) -> str:
             lines.append(
                 f"{name:<11}{t:<10}{b['up'] / GB:>11.2f}{b['down'] / GB:>9.2f}"
                 f"{b['nvme_read'] / GB:>10.2f}{b['nvme_write'] / GB:>7.2f}{link:>8.2f}"
-                f"{per_token * tokens:>10.2f}{link / per_token:>16,.0f}"
+                f"{per_token * tokens:>10.3f}{link / per_token:>16,.0f}"
             )
     return "\n".join(lines)

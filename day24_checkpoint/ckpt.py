@@ -128,7 +128,8 @@ def rng_bytes() -> bytes:
     """This process's generators (the CPU's, and its GPU's when the run computes there: dropout
     on a GPU draws from it) as one bytes value. DCP saves a non-tensor value whole and loads it
     by replacement, so a checkpoint written on a CPU loads on a GPU machine and the other way
-    round (a dict of tensors would be flattened into keys that one side lacks)."""
+    round (a dict of tensors would be flattened into keys that one side lacks). Not run on a
+    GPU: by design, and tested only between CPU runs."""
     state = {"cpu": torch.get_rng_state()}
     if run_uses_cuda():  # the current device's: cuda:<local rank>, set by dtl.dist.init
         state["cuda"] = torch.cuda.get_rng_state()

@@ -155,7 +155,7 @@ def published_checks() -> list[dict]:
             what="llm.c GPT-2 124M on 8 x A100: 524,288 tokens per ~300 ms step -> MFU",
             ours=mfu(llmc, 524_288 / 0.300, 8 * A100),
             published=0.56,
-            source="karpathy/llm.c scripts/run_gpt2_124M.sh (REFERENCES.md, derived)",
+            source="karpathy/llm.c scripts/run_gpt2_124M.sh, derived",
         ),
         dict(
             what="Megatron GPT 1T (Narayanan 2021): 502 PFLOP/s on 3,072 A100 -> % of peak",

@@ -7,9 +7,10 @@ datasheet peak and day 27's measured matmul ceiling.
 
 MFU = 6N + 12·L·H·Q·T FLOPs per token (PaLM appendix B; nanoGPT's estimate_mfu, full attention)
 x tokens/s / the dense bf16 peak (dtl.precision's table: H100/H200 SXM 989 TFLOP/s).
-Targets from REFERENCES.md: llm.c's GPT-2 124M run works out to ~56% on 8 x A100; MPT-125M in
-llm-foundry reports 44.8%. The script needs a CUDA GPU: on a CPU it prints a `skipped:` line (the
-tour shows SKIP); day 27's bench measures a CPU's MFU against its own ceiling instead.
+Targets (the README's References): llm.c's GPT-2 124M run works out to ~56% on 8 x A100 (from
+scripts/run_gpt2_124M.sh's batch and step time); MPT-125M in llm-foundry reports 44.8%. The
+script needs a CUDA GPU: on a CPU it prints a `skipped:` line (the tour shows SKIP); day 27's
+bench measures a CPU's MFU against its own ceiling instead.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class TorchData(Strategy):
         total, k = 0.0, len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             # no gradient sync before the last micro-batch, for its forward too (DDP decides
-            # in forward whether this backward all-reduces: REFERENCES.md, the nanoGPT pitfall)
+            # in forward whether this backward all-reduces: karpathy/build-nanogpt PR #30)
             with self.sync_off() if i < k - 1 else contextlib.nullcontext():
                 with autocast(self.r, self.device):
                     loss = loss_fn(self.model(x), y) / k

@@ -18,7 +18,7 @@ the message, instead of training on the wrong shards.
 
 megatron-core has no CPU mode. Its layers and schedules allocate on `torch.cuda.current_device()`,
 write `device="cuda"`, call `.cuda()`, and keep their RNG streams in the CUDA generator.
-`cpu_shim()` patches exactly those places (PLATFORM.md, "megatron-core 0.16.1 on CPU"), only when
+`cpu_shim()` patches exactly those places (its body lists the four patches and why), only when
 the run's device is the CPU, only for the megatron-core minor version whose source it was read
 against, and undoes every patch on exit, even on an exception. "The run's device" is the one its
 tensors must be on to enter a collective (`dtl.dist.run_device`): the CPU under gloo, a GPU
@@ -28,7 +28,7 @@ the shims do nothing. `shim_state()` says which, and why, in one printable phras
 
 megatron's own optimizers (`megatron.core.optimizer`: the DistributedOptimizer,
 Float16OptimizerWithFloat16Params, `clip_grads`) accept a parameter only if `param.type()` is
-one of the "torch.cuda.*Tensor" names, and reject CPU parameters (PLATFORM.md item 5). That one
+one of the "torch.cuda.*Tensor" names, and reject CPU parameters. That one
 is a separate, narrower shim, `optimizer_shim()`: `Tensor.type()` with no argument answers with
 the CUDA name of a CPU tensor's type, which lies to every other caller, so wrap only the
 optimizer's construction and its `step()` in it. Nothing else in those classes needs CUDA: with

@@ -55,6 +55,10 @@ class Run:
     # the GPU line's patterns, where they differ (a GPU config that turns the one-process check
     # off may print "check skipped"; on the CPU the check must have run): default `expect`
     gpu_expect: list[str] | None = None
+    # a run whose module lives in another day's package, registered here on purpose (a later
+    # day re-running an earlier one's script): without it such a run is refused, so a line
+    # pasted under the wrong day (and run twice by the tour) fails at load time
+    cross_day: bool = False
 
     def patterns(self, gpu: bool) -> list[str]:
         return self.gpu_expect if gpu and self.gpu_expect is not None else self.expect
@@ -66,6 +70,16 @@ class Run:
             raise ValueError(f"lessons.toml run '{self.name}': min_gpus must be an integer >= 1")
 
 
+def launched_package(line: str) -> str:
+    """The top-level package of the module a launch line starts (`-m pkg.mod`, or a script's
+    path `pkg/script.py`); "" when the line names neither."""
+    words = shlex.split(line)
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1].split(".")[0]
+    scripts = [w for w in words if w.endswith(".py")]
+    return os.path.normpath(scripts[0]).split(os.sep)[0] if scripts else ""
+
+
 @dataclass
 class Lesson:
     day: int
@@ -73,6 +87,17 @@ class Lesson:
     title: str
     proves: str
     runs: list[Run] = field(default_factory=list)
+
+    def __post_init__(self):
+        for run in self.runs:
+            for line in (run.cpu, run.gpu):
+                launched = launched_package(line)
+                if launched != self.package and not run.cross_day:
+                    raise ValueError(
+                        f"lessons.toml run '{run.name}' of day {self.day} launches "
+                        f"{launched or 'no module'}, outside {self.package}: register it under "
+                        "its own day, or mark it cross_day = true"
+                    )
 
 
 def load(path: str = REGISTRY) -> list[Lesson]:
@@ -95,6 +120,7 @@ def readme_table(lessons: list[Lesson]) -> str:
             day = f"[{lesson.day}]({lesson.package}/README.md)" if i == 0 else ""
             title = lesson.title if i == 0 else f"↳ {run.name}"
             title += " (benchmark)" if run.kind == "benchmark" else ""
+            title += f" (runs {launched_package(run.cpu)})" if run.cross_day else ""
             proves = lesson.proves if i == 0 else ""
             rows.append(f"| {day} | {title} | `{run.cpu}` | `{run.gpu}` | {proves} |")
     return "\n".join(rows)

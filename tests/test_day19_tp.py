@@ -10,6 +10,8 @@ gradient is ~eps by up to lr * delta / (4 eps) = 2500 delta for a rounding diffe
 at t = 4 one element in 4096 had delta ~ 1e-8 (2.5e-5 measured).
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -537,6 +539,21 @@ def test_torch_parallelize_module_colwise_rowwise_equals_ours(world):
 
 
 # --- bad input ----------------------------------------------------------------------------------
+
+
+def test_the_node_table_the_notes_quote_is_what_bench_prints(capsys):
+    """`--part=node` (formulas only, no process group) prints the block the README quotes
+    under its command, line for line."""
+    from day19_tp import bench
+
+    command = "python -m day19_tp.bench --part=node --model=gpt2-124m --batch_size=8 --seq_len=1024"
+    bench.main(command.split()[3:])
+    printed = capsys.readouterr().out
+    with open(os.path.join(os.path.dirname(bench.__file__), "README.md")) as f:
+        notes = f.read()
+    quoted = notes.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    assert printed == quoted
+    assert "0.26-1.80x on NVLink, 2.3-16.2x on one IB port" in printed
 
 
 def test_sizes_that_do_not_split_over_tp_are_one_line_errors():

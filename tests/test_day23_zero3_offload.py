@@ -347,3 +347,24 @@ def test_size_formula_equals_the_built_model_and_the_fit_grows_with_offload():
     fits = {t: predict.largest_fit(_template(t), 8, budget) for t in checks.TEMPLATES}
     n = {t: sum(map(sum, predict.groups_by_formula(c))) for t, c in fits.items()}
     assert n["zero3"] < n["opt_only"] and n["zero3"] < n["cpu"] <= n["nvme"]
+
+
+def test_the_link_table_steps_the_templates_batch_and_is_what_the_notes_quote():
+    """The link table's step is each template's own (micro-batch x accumulation x s tokens),
+    its attention FLOPs counted at that s, and its rows are the ones the README quotes."""
+    from day22_megatron.plan import MODELS
+    from dtl.model import PRESETS, flops_per_token
+
+    for t in checks.TEMPLATES:
+        ds = _template(t)
+        accum = ds.get("gradient_accumulation_steps", 1)
+        assert predict.step_tokens(ds) == ds["train_micro_batch_size_per_gpu"] * accum * 1024
+    models = {"gpt2-124m": PRESETS["gpt2-124m"], "gpt-6.6b": MODELS["gpt-6.6b"]}
+    rows = predict.bandwidth_table(models).splitlines()
+    per_token = flops_per_token(models["gpt-6.6b"], predict.SEQ_LEN)
+    seconds = per_token * predict.step_tokens(_template("zero3"))
+    assert f"{seconds / (predict.MFU * predict.H200_BF16_FLOPS):.3f}" in rows[-1]
+    with open(os.path.join(os.path.dirname(predict.__file__), "README.md")) as f:
+        notes = f.read()
+    quoted = notes.split("$ python -m day23_zero3_offload.explain | grep -A9 '^one H200'\n")[1]
+    assert quoted.splitlines()[1 : 1 + len(rows)] == rows

@@ -56,6 +56,43 @@ def test_every_lesson_has_notes_and_launch_lines_that_name_real_modules(lesson):
             re.compile(pattern)
 
 
+REGISTRY_ENTRY = """
+[[lesson]]
+day = 17
+package = "day17_ddp"
+title = "t"
+proves = "p"
+
+[[lesson.run]]
+name = "plan"
+cpu = "torchrun --standalone --nproc_per_node=1 -m day22_megatron.plan"
+gpu = "torchrun --standalone --nproc_per_node=1 -m day22_megatron.plan"
+expect = ['^summary: ']
+"""
+
+
+def test_a_run_outside_its_lessons_package_is_refused_unless_marked_cross_day(tmp_path):
+    path = tmp_path / "lessons.toml"
+    path.write_text(REGISTRY_ENTRY)  # day 22's plan pasted under day 17, as it once was
+    with pytest.raises(ValueError, match="'plan' of day 17 launches day22_megatron, outside"):
+        registry.load(str(path))
+    path.write_text(REGISTRY_ENTRY + "cross_day = true\n")
+    (lesson,) = registry.load(str(path))
+    assert "(runs day22_megatron)" in registry.readme_table([lesson])  # said in the README
+    assert registry.launched_package("torchrun --nproc_per_node=2 tests/restart_worker.py") == (
+        "tests"
+    )
+
+
+def test_the_real_registry_runs_each_line_once_under_its_own_day():
+    lessons = registry.load(registry.REGISTRY)  # refuses a run outside its package
+    for lesson in lessons:
+        for run in lesson.runs:
+            assert run.cross_day or registry.launched_package(run.cpu) == lesson.package
+    lines = [run.cpu for lesson in lessons for run in lesson.runs]
+    assert len(lines) == len(set(lines)), "a launch line registered twice runs twice in the tour"
+
+
 def test_no_cpu_pattern_accepts_a_skipped_check():
     """On the CPU every one-process check runs: a pattern that lets "check skipped" through
     would pass a script whose check was switched off (only GPU configs may turn it off)."""
