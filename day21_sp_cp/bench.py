@@ -346,7 +346,9 @@ RECOMPUTE_LAYOUTS = ("none", "tp", "tp_sp")
 ATTENTIONS = {"materialized": naive_attention, "fused": sdpa_attention}
 
 
-def _recompute_layer_bytes(layout: str, attention: str, mode: str, s: int, grid) -> int:
+def _recompute_layer_bytes(
+    layout: str, attention: str, mode: str, s: int, grid: ParallelGrid
+) -> int:
     """Bytes block 0 of a one-layer GPT-2-width model (bf16) saves for backward on this rank."""
     cfg = preset("gpt2-124m", n_layer=1, block_size=s, vocab_size=256)
     gpt = GPT(cfg, seed=0)
