@@ -85,10 +85,12 @@ def build_stack(
     seed: int = 0,
     optim: OptimConfig = MEGATRON_ADAMW,
     device="cpu",
+    recompute: str = "none",
 ) -> Stack:
     sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
     check_stack(cfg, **sizes, seq_len=seq_len, attn=attn, sp=sp)
     gpt = GPT(cfg, seed=seed)
+    gpt.set_recompute(recompute)  # dtl.model: every block, so every stage's copy of it
     if next(gpt.parameters()).device != torch.device(device):
         gpt = gpt.to(device)  # (not called when already there: fake tensors cannot be swapped)
     if grid.tp_size > 1:

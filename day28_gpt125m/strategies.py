@@ -18,8 +18,9 @@ Each strategy is a class in REGISTRY that says what it supports (model paralleli
 a class here with @register, and the config, the fit check and the tests take it from there.
 
 Checkpoints: DDP and FSDP2 through day 24's Checkpointer (DCP: sharded, atomic, reshardable),
-DeepSpeed's ZeRO through its save_checkpoint, our TP+PP as one file per rank (the same layout must
-load it); megatron-core's is its dist_checkpointing, not wired here (train.py refuses --resume).
+DeepSpeed's ZeRO through its save_checkpoint, our TP + PP and TP + SP through the same Checkpointer
+with every TP shard a DTensor (day24_checkpoint/sharded.py: loads at another tp, pp or dp);
+megatron-core's is its dist_checkpointing, not wired here (train.py refuses --resume).
 
 Every strategy takes the same recipe (AdamW betas 0.9/0.95, decay on matrices only, global-norm
 clipping, the learning rate of this step) and the same global batch, so every one must train like
@@ -29,7 +30,6 @@ the one-process GPT: tests/test_day28_gpt125m.py checks that, strategy by strate
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,11 @@ class TorchData(Strategy):
     precisions = ("fp32", "bf16")  # bf16: autocast (fp16 would need a GradScaler: not wired)
     compile = True
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, seed: int, **_):
+    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, seed: int,
+                 recompute: str, **_):  # fmt: skip
         self.r, self.device = r, device
         gpt = GPT(cfg, seed=seed).to(device)
+        gpt.set_recompute(recompute)  # before DDP or fully_shard wrap the blocks
         if self.name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -156,6 +158,11 @@ class DeepSpeedZero(Strategy):
     stage = 0
     precisions = ("fp32", "bf16")  # DeepSpeed's bf16 section (fp16's loss scaler: not wired)
     suggested_when_short = True
+    no_recompute = (
+        "--recompute is not wired for DeepSpeed here (its own deepspeed.checkpointing, or "
+        "torch's checkpoint under ZeRO-3's parameter hooks: neither tested); use ddp, fsdp2, "
+        "tp_pp or tp_sp"
+    )
 
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
@@ -296,13 +303,15 @@ class OurTPPP(Pipelined):
     name = "tp_pp"
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
-                 micro_batch: int, accum: int, seq_len: int, seed: int, **_):  # fmt: skip
+                 micro_batch: int, accum: int, seq_len: int, seed: int, recompute: str,
+                 **_):  # fmt: skip
         from day22_megatron import stack
 
         self.stack_mod, self.r = stack, r
         self.stack = stack.build_stack(
             cfg, grid, micro_batch_size=micro_batch, microbatches=accum, seq_len=seq_len,
-            seed=seed, optim=r.optim, device=device,
+            seed=seed, optim=r.optim, device=device, sp=self.sequence_parallel,
+            recompute=recompute,
         )  # fmt: skip
 
     def step(self, micro_batches, lr):
@@ -317,39 +326,38 @@ class OurTPPP(Pipelined):
         self.stack.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
+    def _app(self, step: int = 0):
+        from day24_checkpoint.ckpt import Progress
+        from day24_checkpoint.sharded import StackState
+
+        return StackState(self.stack, Progress(step=step))
+
     def save(self, folder, step):
-        # one file per rank: its shards and stages and its optimizer state; the same layout
-        # (world, tp, pp) must load them. (DCP would need the shards as DTensors to reshard.)
-        path = os.path.join(folder, f"step_{step}")
-        os.makedirs(path, exist_ok=True)
-        state = {
-            "step": step,
-            "grid": self.stack.grid.sizes,
-            "params": {n: p.detach().cpu() for n, p in self.stack.named.items()},
-            "optim": self.stack.optimizer.state_dict(),
-        }
-        torch.save(state, os.path.join(path, f"rank{dist.get_rank()}.pt"))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            with open(os.path.join(folder, "latest"), "w") as f:
-                f.write(f"step_{step}")
+        # day 24: DCP, every TP shard a DTensor, the stages' keys merged, an atomic commit:
+        # it loads at another tp, pp or dp (day24_checkpoint/sharded.py)
+        from day24_checkpoint.ckpt import Checkpointer
+
+        Checkpointer(folder, keep=2).save(self._app(step), step)
 
     def load(self, folder):
-        with open(os.path.join(folder, "latest")) as f:
-            path = os.path.join(folder, f.read().strip(), f"rank{dist.get_rank()}.pt")
-        state = torch.load(path, weights_only=True)
-        if state["grid"] != self.stack.grid.sizes:
-            raise ValueError(
-                f"checkpoint grid {state['grid']} != this run's {self.stack.grid.sizes}"
-            )
-        with torch.no_grad():
-            for n, p in self.stack.named.items():
-                p.copy_(state["params"][n])
-        self.stack.optimizer.load_state_dict(state["optim"])
-        return state["step"]
+        from day24_checkpoint.ckpt import Checkpointer
+
+        return Checkpointer(folder, keep=2).load(self._app())
 
     def full_parameters(self):
         return _untied(self.stack_mod.full_state(self.stack), self.stack.gpt.cfg)
+
+
+@register
+class OurTPSP(OurTPPP):
+    """Day 21's Megatron sequence parallelism on day 19's TP (day 22's stack with sp, pp = 1):
+    the activations TP keeps whole (LayerNorms, dropout, residuals) split over the TP group,
+    all-gather before each column layer, reduce-scatter after each row layer; DP beside. The
+    same parameters and state per rank as TP alone: SP saves activations, not model state."""
+
+    name = "tp_sp"
+    sequence_parallel = True
+    pipelines = False  # the stack runs SP without PP (stack.py says why)
 
 
 @register
@@ -359,6 +367,10 @@ class Megatron(Pipelined):
     name = "megatron"
     distributed_optimizer = True  # its DistributedOptimizer: Adam's m and v sharded over dp
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
+    no_recompute = (
+        "--recompute is not wired for megatron here (megatron-core has its own: "
+        "TransformerConfig.recompute_granularity); use tp_pp or tp_sp"
+    )
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, seq_len: int, seed: int, steps: int, **_):  # fmt: skip
@@ -412,13 +424,14 @@ COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.co
 
 
 def build(name: str, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
-          accum: int, seq_len: int, seed: int, steps: int) -> Strategy:  # fmt: skip
+          accum: int, seq_len: int, seed: int, steps: int,
+          recompute: str = "none") -> Strategy:  # fmt: skip
     """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
     if name not in REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; one of {', '.join(REGISTRY)}")
     return REGISTRY[name](
         cfg, r, grid, device, micro_batch=micro_batch, accum=accum, seq_len=seq_len, seed=seed,
-        steps=steps,
+        steps=steps, recompute=recompute,
     )  # fmt: skip
 
 

@@ -27,6 +27,9 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 class Strategy:
     name = ""
     model_parallel = False  # takes --tp and --pp (tp x pp x dp ranks); else pure data parallel
+    pipelines = True  # a model-parallel strategy that takes --pp > 1 (tp_sp: no, pp = 1)
+    sequence_parallel = False  # Megatron SP on top of TP (needs --tp > 1)
+    no_recompute = ""  # why --recompute other than none is refused ("": dtl.model's applies)
     # the --precision values it applies (autocast, or DeepSpeed's section); it runs any other fp32
     precisions: tuple[str, ...] = ("fp32",)
     compile = False  # --compile wraps its model in torch.compile
@@ -37,7 +40,7 @@ class Strategy:
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
-                 accum: int, seq_len: int, seed: int, steps: int):  # fmt: skip
+                 accum: int, seq_len: int, seed: int, steps: int, recompute: str):  # fmt: skip
         """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid.
         Every strategy takes these arguments (a subclass names the ones it uses, then **_)."""
         raise NotImplementedError

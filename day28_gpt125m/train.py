@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from day22_megatron.layouts import padded_preset
+from day22_megatron.layouts import VOCAB_MULTIPLE, padded_preset
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit
 from day28_gpt125m.recipe import Recipe, generate, lr_at
@@ -54,17 +54,20 @@ from dtl import dist as dtl_dist
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
-from dtl.model import GPT, PRESETS, PresetName, flops_per_token, loss_fn, preset
+from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
 from dtl.precision import PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
 class Config:
-    strategy: Literal[STRATEGIES] = "fsdp2"  # ddp | fsdp2 | zero2 | zero3 | tp_pp | megatron
+    # ddp | fsdp2 | zero2 | zero3 | tp_pp | tp_sp | megatron
+    strategy: Literal[STRATEGIES] = "fsdp2"
     model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
-    tp: int = 1  # tensor-parallel size (tp_pp, megatron)
+    tp: int = 1  # tensor-parallel size (tp_pp, tp_sp, megatron)
     pp: int = 1  # pipeline-parallel size (tp_pp, megatron); dp = world / (tp x pp)
+    # activation recomputation, dtl.model's set_recompute: none | selective | full
+    recompute: Recompute = "none"
     micro_batch_size: int = 2  # sequences per micro-batch per DP rank
     global_batch_size: int = 8  # sequences per step (micro x accumulation x dp)
     seq_len: int = 32  # tokens per sequence
@@ -99,7 +102,7 @@ class Config:
         need nothing, so their runs are unchanged). Padded rows are never a target; every
         strategy and the one-process reference of this run use the same config."""
         if self.strategy in MODEL_PARALLEL and PRESETS[self.model].vocab_size % self.tp:
-            return padded_preset(self.model, 0, 128, self.tp)
+            return padded_preset(self.model, 0, VOCAB_MULTIPLE, self.tp)
         return preset(self.model)
 
     @property
@@ -130,7 +133,14 @@ class Config:
             raise err(f"--precision={self.precision} is applied by no strategy here (its loss "
                       "scaler is not wired); use bf16")  # fmt: skip
         if (self.tp > 1 or self.pp > 1) and self.strategy not in MODEL_PARALLEL:
-            raise err(f"--tp/--pp are for {' and '.join(MODEL_PARALLEL)}, not {self.strategy}")
+            raise err(f"--tp/--pp are for {', '.join(MODEL_PARALLEL)}, not {self.strategy}")
+        kind = REGISTRY[self.strategy]
+        if self.pp > 1 and not kind.pipelines:
+            raise err(f"{self.strategy} runs without a pipeline (pp = 1); for pp > 1 use tp_pp")
+        if kind.sequence_parallel and self.tp < 2:
+            raise err(f"{self.strategy} needs --tp > 1: SP splits what TP keeps whole")
+        if self.recompute != "none" and kind.no_recompute:
+            raise err(kind.no_recompute)
         if self.world % (self.tp * self.pp):
             raise err(
                 f"strategy {self.strategy} with tp {self.tp} x pp {self.pp} does not fit "
@@ -200,6 +210,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     strategy = build(
         cfg.strategy, cfg.model_config(), r, grid, info.device, micro_batch=cfg.micro_batch_size,
         accum=cfg.accum, seq_len=cfg.seq_len, seed=cfg.seed, steps=cfg.steps,
+        recompute=cfg.recompute,
     )  # fmt: skip
     if cfg.compile and cfg.strategy in COMPILE:
         strategy.model = torch.compile(strategy.model)

@@ -3,8 +3,9 @@ its model state is what fit.py predicts; the data pipeline feeds the rows dtl.da
 
 The strategies come from strategies.REGISTRY. One 2-rank spawn runs the data-parallel ones (ddp,
 fsdp2, zero2, zero3), each cut in two (stop after step 4 with a checkpoint, resume in a fresh
-strategy, finish); one 4-rank spawn runs the model-parallel ones, tp 2 x pp 2: tp_pp (also cut
-and resumed) and megatron (whole: no checkpoints). A resumed run equal to one process over all 8
+strategy, finish); one 4-rank spawn runs the model-parallel ones: tp_pp at tp 2 x pp 2 (also cut
+and resumed), tp_sp at tp 2 x dp 2 with full activation recomputation (cut and resumed), and
+megatron at tp 2 x pp 2 (whole: no checkpoints). A resumed run equal to one process over all 8
 steps is an exact resume: any state lost at the cut shows in steps 5-8. Reference: the dtl GPT in
 one process, the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up +
 cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5 (measured ~1e-7),
@@ -38,11 +39,24 @@ RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints]
 MEASURED = [(n, 4 if k.model_parallel else 2) for n, k in REGISTRY.items() if k.measures_state]
 
 
+def _sizes(strategy) -> tuple[int, int]:
+    """(tp, pp) of a strategy's test run on its world: 2 x 2, or tp 2 x dp 2 without a pipeline."""
+    kind = REGISTRY[strategy]
+    if not kind.model_parallel:
+        return 1, 1
+    return 2, 2 if kind.pipelines else 1
+
+
+# tp_sp trains with full recomputation: SP's all-gathers and reduce-scatters rerun in backward
+RECOMPUTE = {"tp_sp": "full"}
+
+
 def _config(strategy, tmp, **kw) -> train.Config:
-    tp = pp = 2 if REGISTRY[strategy].model_parallel else 1
+    tp, pp = _sizes(strategy)
     cfg = train.Config(
         strategy=strategy, tp=tp, pp=pp, steps=STEPS, check=False, sample_tokens=0, workers=1,
-        data_dir=os.path.join(tmp, "data"), out_dir=os.path.join(tmp, strategy), **kw,
+        data_dir=os.path.join(tmp, "data"), out_dir=os.path.join(tmp, strategy),
+        recompute=RECOMPUTE.get(strategy, "none"), **kw,
     )  # fmt: skip
     cfg.validate()
     return cfg
@@ -123,7 +137,7 @@ def test_model_parallel_strategies_train_like_one_process(four_ranks, reference,
 def test_measured_state_of_every_rank_is_the_prediction_for_its_stage(
     two_ranks, four_ranks, name, world
 ):
-    tp = pp = 2 if REGISTRY[name].model_parallel else 1
+    tp, pp = _sizes(name)
     ranks = two_ranks if world == 2 else four_ranks
     for rank, runs in enumerate(ranks):  # every rank: the last pipeline stage holds the head
         run = runs[name]
@@ -222,7 +236,11 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
     [
         (["--strategy=tp_pp", "--tp=3"], "4", "tp 3 x pp 1 does not fit 4 ranks"),
         (["--global_batch_size=6"], "4", "global batch 6 is not divisible by micro-batch 2 x dp 4"),
-        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp and megatron, not ddp"),
+        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp, tp_sp, megatron, not ddp"),
+        (["--strategy=tp_sp", "--tp=2", "--pp=2"], "4", "tp_sp runs without a pipeline (pp = 1)"),
+        (["--strategy=tp_sp"], "4", "tp_sp needs --tp > 1"),
+        (["--strategy=zero3", "--recompute=full"], "2", "--recompute is not wired for DeepSpeed"),
+        (["--recompute=some"], "2", "recompute"),
         (["--strategy=pipe"], "2", "unknown strategy 'pipe'"),
         (["--precision=fp16"], "2", "--precision=fp16 is applied by no strategy here"),
     ],

@@ -1,0 +1,148 @@
+"""Day 24: checkpoints of model-parallel layouts that reshard: our TP, PP and TP x PP stack
+(day 22's `build_stack`, on days 19 and 20) through DCP, with day 24's atomic commit.
+
+DCP reshards what it can describe: a tensor every rank holds whole (replicated), or a DTensor,
+whose placements say which piece of the full tensor a rank holds. Our TP shards are plain
+tensors, so `StackState.state_dict` describes each one as a DTensor on the TP group's device
+mesh, without copying (DTensor.from_local over the parameter's own memory):
+
+    column-parallel weight / bias     Shard(0)    rows [r·n/t, (r+1)·n/t) of the full tensor
+    row-parallel weight               Shard(1)    columns; its bias is whole on every TP rank
+    vocab-parallel wte (and lm_head)  Shard(0)    rows of the vocabulary
+    LayerNorms, wpe, row biases       a plain tensor (the same on every TP rank)
+
+The fused QKV (`c_attn`, TP_PLAN's blocks = 3) is the one exception: a rank holds [Q_r; K_r;
+V_r], which is not one contiguous block of rows of [Q; K; V]. It is saved as three tensors, its
+name + ".q", ".k", ".v", each Shard(0): views of the parameter's three thirds.
+
+Under PP each rank holds its stages' parameters under their one-process names (day 20's
+stage_parameters): DCP merges the stages' keys into one checkpoint. With tied embeddings the
+last stage's copy of wte (its lm_head.weight) is not saved, and is loaded from wte.weight.
+
+AdamW's state follows its parameter: "optim.<name>.exp_avg" and ".exp_avg_sq" are described
+like the parameter, ".step" is a plain scalar. A checkpoint written at one layout loads at any
+other of the same model: tp 2 -> 1, pp 2 -> 1, tp 2 x dp 2 -> dp 4 (tests/test_day24_sharded.py,
+bit for bit). What it does not reshard: the pipeline schedule's in-flight state (a checkpoint
+is taken between steps, when there is none) and a vocabulary padded for another tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from day24_checkpoint.ckpt import Progress, rng_bytes, set_rng_bytes
+from dtl.model import tp_shard_of
+
+QKV = ("q", "k", "v")  # the fused c_attn's three blocks, saved apart
+
+
+class StackState(Stateful):
+    """A day-22 stack's parameters, AdamW state, progress and RNG as one DCP-saveable object,
+    every TP shard described as a DTensor; the same interface as ckpt.AppState (Checkpointer
+    saves and loads either)."""
+
+    def __init__(self, stack, progress: Progress | None = None, restore_rng: bool = True):
+        self.stack, self.progress, self.restore_rng = stack, progress or Progress(), restore_rng
+        self.rng_key = f"rank{dist.get_rank()}"
+        self.load_rng = True  # Checkpointer.load sets it False when the world size changed
+        grid = stack.grid
+        self.mesh = (
+            DeviceMesh.from_group(grid.tp_group, _device_type(stack)) if grid.tp_size > 1 else None
+        )
+
+    def state_dict(self) -> dict:
+        model, optim = {}, {}
+        tied = self.stack.gpt.cfg.tie_weights
+        state = self.stack.optimizer.state
+        for name, p in self.stack.named.items():
+            key = "wte.weight" if tied and name == "lm_head.weight" else name
+            if key != name and "wte.weight" in self.stack.named:
+                continue  # the tied head is wte itself: saved once, under wte.weight
+            model.update(self._describe(key, name, p.data))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                optim.update(self._describe(f"{key}.{kind}", name, _moment(state, p, kind)))
+            optim[f"{key}.step"] = _step(state, p)
+        out = {"model": model, "optim": optim, "progress": asdict(self.progress)}
+        if self.load_rng:  # one key per rank: rank r reads back only its own generators
+            out["rng"] = {self.rng_key: rng_bytes()}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        # DCP loaded every tensor in place, into the parameters' and moments' own memory;
+        # what is left: the scalars, the progress and the generators
+        tied = self.stack.gpt.cfg.tie_weights
+        for name, p in self.stack.named.items():
+            key = "wte.weight" if tied and name == "lm_head.weight" else name
+            self.stack.optimizer.state[p]["step"] = state["optim"][f"{key}.step"].clone()
+        self.progress = Progress(**state["progress"])
+        if self.load_rng and self.restore_rng:
+            set_rng_bytes(state["rng"][self.rng_key])
+
+    def _describe(self, key: str, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{key: tensor} for this rank's piece of `name`: a DTensor where TP splits it."""
+        module_name, _, kind = name.rpartition(".")
+        shard = tp_shard_of(module_name) if self.mesh is not None else None
+        if shard is None or (shard.style == "row" and kind == "bias"):
+            return {key: t}  # whole on every TP rank (or no TP): a plain, replicated tensor
+        dim = 1 if shard.style == "row" else 0
+        if shard.blocks == 1:
+            return {key: self._dtensor(t, dim)}
+        parts = t.chunk(shard.blocks, dim)  # views: DCP loads into the parameter's memory
+        return {f"{key}.{b}": self._dtensor(part, dim) for b, part in zip(QKV, parts)}
+
+    def _dtensor(self, local: torch.Tensor, dim: int) -> DTensor:
+        size = list(local.shape)
+        size[dim] *= self.mesh.size()
+        return DTensor.from_local(
+            local, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(size),
+            stride=_contiguous_stride(size),
+        )  # fmt: skip
+
+
+def full_state(app: StackState) -> dict[str, torch.Tensor]:
+    """Every key of app's model and optimizer state as the full tensor, on every rank: TP
+    pieces gathered (DTensor.full_tensor), the stages' keys gathered over the pipeline group.
+    What the tests compare across layouts. Collective."""
+    sd = app.state_dict()
+    mine = {}
+    for section in ("model", "optim"):
+        for key, t in sd[section].items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            mine[f"{section}.{key}"] = full.detach().cpu().clone()
+    pieces: list = [None] * app.stack.grid.pp_size
+    dist.all_gather_object(pieces, mine, group=app.stack.grid.pp_group)
+    return {k: v for piece in pieces for k, v in piece.items()}
+
+
+def _moment(state, p: torch.Tensor, kind: str) -> torch.Tensor:
+    """AdamW's moment of p, created as zeros when the optimizer has not stepped yet (a fresh
+    run about to load: DCP needs the tensor to load into)."""
+    s = state[p]
+    if kind not in s:
+        s[kind] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return s[kind]
+
+
+def _step(state, p: torch.Tensor) -> torch.Tensor:
+    s = state[p]
+    if "step" not in s:
+        s["step"] = torch.zeros((), dtype=torch.float32)  # host: AdamW keeps it on the CPU
+    return s["step"]
+
+
+def _contiguous_stride(size: list[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _device_type(stack) -> str:
+    return stack.params[0].device.type

@@ -1,0 +1,104 @@
+"""Day 24: a checkpoint of a model-parallel layout (day 22's stack: TP, PP, TP x PP, with DP)
+loads at another layout bit for bit (day24_checkpoint/sharded.py).
+
+One 4-rank spawn saves each source layout after two AdamW steps and loads it into a fresh stack
+at the target layout. The reference is the one-process view of the state: every parameter and
+every AdamW moment as the full tensor (TP pieces gathered, the stages' keys merged), which must
+be equal, bit for bit, before the save and after the load. Then a shard of a TP checkpoint is
+damaged and the load is refused in one line, before DCP reads anything.
+"""
+
+import os
+
+import pytest
+import torch
+
+from day22_megatron.layouts import Layout
+from day22_megatron.stack import build_stack, forward_backward, sync_gradients
+from day24_checkpoint import ckpt
+from day24_checkpoint.sharded import StackState, full_state
+from dtl.grid import ParallelGrid
+from dtl.model import GPT, preset
+from dtl.testing import run_distributed
+
+CFG = preset("tiny-nobias")
+B, T, K = 2, 16, 2  # micro-batch, tokens, micro-batches per step
+PAIRS = {  # source layout -> target layout, on 4 ranks
+    "tp2-pp2 to dp4": (Layout(tp=2, pp=2), Layout(dp=4)),  # tp 2 -> 1 and pp 2 -> 1
+    "pp2-dp2 to tp2-dp2": (Layout(pp=2, dp=2), Layout(tp=2, dp=2)),  # pp 2 -> 1, tp 1 -> 2
+    "tp2-dp2 to dp4": (Layout(tp=2, dp=2), Layout(dp=4)),
+}
+
+
+def _stack(lay: Layout):
+    grid = ParallelGrid(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    return build_stack(CFG, grid, micro_batch_size=B, microbatches=K, seq_len=T, seed=0)
+
+
+def _train(stack, steps: int) -> None:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + stack.grid.dp_rank)
+        x = torch.randint(0, CFG.vocab_size, (K, B, T + 1), generator=g)
+        forward_backward(stack, [(x[i, :, :-1], x[i, :, 1:]) for i in range(K)])
+        sync_gradients(stack)
+        stack.optimizer.step()
+        stack.optimizer.zero_grad(set_to_none=True)
+
+
+def _save_and_reshard(tmp):
+    out = {}
+    for name, (src, dst) in PAIRS.items():
+        folder = os.path.join(tmp, name.replace(" ", "_"))
+        saved = StackState(_stack(src), ckpt.Progress(step=2))
+        _train(saved.stack, 2)
+        ckpt.Checkpointer(folder, keep=1).save(saved, 2)
+        want = full_state(saved)
+        loaded = StackState(_stack(dst))
+        step = ckpt.Checkpointer(folder, keep=1).load(loaded)
+        got = full_state(loaded)
+        out[name] = dict(
+            step=step,
+            keys=sorted(got) == sorted(want),
+            differ=[k for k in want if k in got and not torch.equal(got[k], want[k])],
+            n=len(want),
+            folder=folder,
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("sharded"))
+    return run_distributed(_save_and_reshard, tmp, world_size=4, timeout_s=240)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_a_model_parallel_checkpoint_loads_bit_for_bit_at_another_layout(resharded, pair):
+    for rank, res in enumerate(resharded):
+        r = res[pair]
+        assert r["step"] == 2, (rank, r)
+        assert r["keys"], (rank, pair)  # every parameter and moment, once, at both layouts
+        assert not r["differ"], (rank, pair, r["differ"][:5])
+        # each saved piece: the parameter and its two moments; each parameter: AdamW's step
+        assert r["n"] == 3 * len(list(_dense_names())) + len(list(GPT(CFG).parameters()))
+
+
+def _dense_names():
+    """One-process parameter names, the fused QKV counted as its three saved thirds."""
+    for name, _ in GPT(CFG, seed=0).named_parameters():
+        if ".attn.c_attn." in name:
+            yield from (f"{name}.{b}" for b in "qkv")
+        else:
+            yield name
+
+
+def test_a_damaged_shard_of_a_tp_checkpoint_is_refused_in_one_line(resharded):
+    folder = resharded[0]["tp2-pp2 to dp4"]["folder"]
+    path = ckpt.latest(folder)
+    shard = next(f for f in sorted(os.listdir(path)) if f.endswith(".distcp"))
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(path)
+    assert "corrupt" in str(err.value) and "\n" not in str(err.value)
