@@ -29,7 +29,7 @@ SKIP_PREFIX = "skipped:"
 # the overrides a lesson line's smoke_args may make: how much it computes, never what
 SIZE_KEYS = (
     "model", "seq_len", "steps", "epochs", "reps", "iters", "micro_batch_size", "vocab_size",
-    "max_bytes", "models", "fit_budget_gb",
+    "max_bytes", "models", "fit_budget_gb", "seqs",
 )  # fmt: skip
 
 

@@ -138,7 +138,9 @@ def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
         they answer "no overflow" and a zero norm (nothing is clipped: no values to clip);
       - from the second step, the module trace is checked equal on every rank by reading rank
         0's back (assert_ints_same_as_other_ranks): one simulated rank is its own rank 0.
-    NVMe offload writes data to disk and reads it back: it cannot be simulated."""
+    NVMe offload writes data to disk and reads it back: it cannot be simulated. On exit it also
+    puts back torch.nn.functional.linear, which DeepSpeed's ZeRO-3 replaces for the rest of the
+    process with its own autograd Function."""
     if not dist.is_initialized() or dist.get_backend() != "fake":
         raise SimulateError("deepspeed_under_fake_tensors runs inside fake_world only")
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -170,6 +172,10 @@ def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
         (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", lambda ints: None),
     ]  # fmt: skip
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    # ZeRO-3 replaces torch.nn.functional.linear with its own autograd Function for good ("This
+    # will persist unless manually reset"): put torch's back, or every later nn.Linear in this
+    # process runs DeepSpeed's (it saves its tensors after the matmul, not before)
+    originals.append((torch.nn.functional, "linear", torch.nn.functional.linear))
     try:
         os.environ.update(env)
         for owner, name, fn in patches:
