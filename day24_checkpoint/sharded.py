@@ -87,16 +87,22 @@ class StackState(Stateful):
     def _describe(self, key: str, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """{key: tensor} for this rank's piece of `name`: a DTensor where TP splits it."""
         module_name, _, kind = name.rpartition(".")
-        shard = tp_shard_of(module_name) if self.mesh is not None else None
+        shard = tp_shard_of(module_name)
         if shard is None or (shard.style == "row" and kind == "bias"):
-            return {key: t}  # whole on every TP rank (or no TP): a plain, replicated tensor
+            return {key: t}  # whole on every TP rank: a plain, replicated tensor
         dim = 1 if shard.style == "row" else 0
         if shard.blocks == 1:
-            return {key: self._dtensor(t, dim)}
-        parts = t.chunk(shard.blocks, dim)  # views: DCP loads into the parameter's memory
-        return {f"{key}.{b}": self._dtensor(part, dim) for b, part in zip(QKV, parts)}
+            return {key: self._piece(t, dim)}
+        # the fused QKV as three tensors at every tp (tp = 1 too: the keys must not depend on
+        # the layout); views, so that DCP loads into the parameter's own memory
+        parts = t.chunk(shard.blocks, dim)
+        return {f"{key}.{b}": self._piece(part, dim) for b, part in zip(QKV, parts)}
 
-    def _dtensor(self, local: torch.Tensor, dim: int) -> DTensor:
+    def _piece(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's piece: a DTensor sharded on `dim` over the TP group, or, without TP,
+        the tensor itself (whole on every rank)."""
+        if self.mesh is None:
+            return local
         size = list(local.shape)
         size[dim] *= self.mesh.size()
         return DTensor.from_local(
@@ -125,7 +131,7 @@ def _moment(state, p: torch.Tensor, kind: str) -> torch.Tensor:
     run about to load: DCP needs the tensor to load into)."""
     s = state[p]
     if kind not in s:
-        s[kind] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        s[kind] = torch.zeros_like(p)
     return s[kind]
 
 
