@@ -54,7 +54,7 @@ class Config:
     drill: Literal[(*DRILLS, "all")] = "all"
     repeats: int = 1  # kill_rank drills (each kills before another step)
     nproc: int = 2  # processes per job
-    parallel: str = "ddp"  # ddp | fsdp2
+    parallel: str = "ddp"  # ddp | fsdp2 | tp
     steps: int = 12  # steps per run
     save_every: int = 4  # steps between checkpoints
     seed: int = 0  # which steps the kills land on

@@ -47,8 +47,15 @@ class StackState(Stateful):
     every TP shard described as a DTensor; the same interface as ckpt.AppState (Checkpointer
     saves and loads either)."""
 
-    def __init__(self, stack, progress: Progress | None = None, restore_rng: bool = True):
+    def __init__(
+        self,
+        stack,
+        progress: Progress | None = None,
+        restore_rng: bool = True,
+        scheduler=None,
+    ):
         self.stack, self.progress, self.restore_rng = stack, progress or Progress(), restore_rng
+        self.scheduler = scheduler
         self.rng_key = f"rank{dist.get_rank()}"
         self.load_rng = True  # Checkpointer.load sets it False when the world size changed
         grid = stack.grid
@@ -68,7 +75,13 @@ class StackState(Stateful):
             for kind in ("exp_avg", "exp_avg_sq"):
                 optim.update(self._describe(f"{key}.{kind}", name, _moment(state, p, kind)))
             optim[f"{key}.step"] = _step(state, p)
-        out = {"model": model, "optim": optim, "progress": asdict(self.progress)}
+        # the groups' hyperparameters (lr as the schedule left it, betas, decay): one value each
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.stack.optimizer.param_groups
+        ]
+        out = {"model": model, "optim": optim, "groups": groups, "progress": asdict(self.progress)}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
         if self.load_rng:  # one key per rank: rank r reads back only its own generators
             out["rng"] = {self.rng_key: rng_bytes()}
         return out
@@ -80,7 +93,11 @@ class StackState(Stateful):
         for name, p in self.stack.named.items():
             key = "wte.weight" if tied and name == "lm_head.weight" else name
             self.stack.optimizer.state[p]["step"] = state["optim"][f"{key}.step"].clone()
+        for group, saved in zip(self.stack.optimizer.param_groups, state["groups"]):
+            group.update(saved)  # a scheduler sets lr only at its next step: this run's lr now
         self.progress = Progress(**state["progress"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.load_rng and self.restore_rng:
             set_rng_bytes(state["rng"][self.rng_key])
 

@@ -5,6 +5,8 @@ CPU (gloo), ~5 s:
     torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=fsdp2 --async_save
     # resume on 4 ranks from the 2-rank FSDP2 checkpoint (DCP reshards), 4 more steps:
     torchrun --standalone --nproc_per_node=4 -m day24_checkpoint.train --parallel=fsdp2 --steps=16
+    # tensor parallelism (day 22's stack, tp 2 x dp world/2; sharded.py: its shards as DTensors)
+    torchrun --standalone --nproc_per_node=2 -m day24_checkpoint.train --parallel=tp
     # a rank killed at step 7, torchrun restarts the workers, they resume from step 4:
     torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m day24_checkpoint.train \
         --fail_at_step=7 --out_dir=outputs/day24_checkpoint/drill
@@ -39,13 +41,15 @@ from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.optim import warmup_cosine
 
-PARALLEL = ("ddp", "fsdp2")
+PARALLEL = ("ddp", "fsdp2", "tp")
+TP = 2  # --parallel=tp: the tensor-parallel size; dp = world / TP
 RESUME = ("auto", "none", "latest")
 
 
 @dataclass
 class Config:
-    # ddp | fsdp2 (FSDP2's fully_shard: every rank saves its shards)
+    # ddp | fsdp2 (FSDP2's fully_shard: every rank saves its shards) | tp (day 22's stack at
+    # tp 2 x dp world/2, saved by sharded.py: each TP shard a DTensor, loadable at any layout)
     parallel: Literal[PARALLEL] = "ddp"
     model: PresetName = "tiny"  # GPT preset
     dropout: float = 0.1  # > 0, so that a resumed run needs each rank's RNG state back
@@ -74,6 +78,8 @@ class Config:
         world = dtl_dist.launch_world_size()
         if self.global_batch % world:
             raise err(f"global_batch {self.global_batch} does not split over {world} ranks")
+        if self.parallel == "tp" and world % TP:
+            raise err(f"parallel=tp runs tp {TP} x dp world/{TP}: {world} ranks do not split")
         if self.keep < 1:
             raise err(f"keep must be >= 1 (checkpoints kept), got {self.keep}")
         self.out_dir = self.out_dir or f"outputs/day24_checkpoint/{self.parallel}"
@@ -100,6 +106,21 @@ class Config:
                 raise CheckpointError(f"resume=latest but {self.ckpt_dir} holds no checkpoint")
             return path
         return self.resume
+
+
+def build_tp(cfg: Config, info):
+    """Day 22's stack at tp 2 x dp world/2 (no pipeline), the same AdamW and schedule."""
+    from day22_megatron.stack import build_stack
+    from dtl.grid import ParallelGrid
+
+    grid = ParallelGrid(tp=TP, dp=info.world_size // TP)
+    stack = build_stack(
+        cfg.model_config(), grid, micro_batch_size=cfg.global_batch // grid.dp_size,
+        microbatches=1, seq_len=cfg.seq_len, seed=cfg.seed, device=info.device,
+    )  # fmt: skip
+    stack.optimizer = torch.optim.AdamW(stack.params, lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(stack.optimizer, _schedule(cfg))
+    return stack, sched
 
 
 def build(cfg: Config, info):
@@ -129,9 +150,15 @@ def _schedule(cfg: Config):
 
 def params_sha256(model) -> str:
     """sha256 over every full parameter's bytes, in name order (collective under FSDP2)."""
+    full = {}
+    for name, p in model.named_parameters():
+        full[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return tensors_sha256(full)
+
+
+def tensors_sha256(tensors: dict) -> str:
     digest = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+    for name, t in sorted(tensors.items()):
         digest.update(name.encode())
         digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -139,9 +166,22 @@ def params_sha256(model) -> str:
 
 def run(cfg: Config, info) -> dict:
     corpus = load_corpus(tokenizer="byte" if cfg.model.startswith("tiny") else "auto")
-    torch.manual_seed(cfg.seed + info.rank)  # each rank's dropout stream
-    gpt, model, opt, sched = build(cfg, info)
-    app = AppState(model, opt, sched, restore_rng=cfg.restore_rng)
+    tp = cfg.parallel == "tp"
+    # ParallelGrid puts tp innermost: rank = dp_rank x TP + tp_rank
+    per_replica = TP if tp else 1
+    dp_rank, dp_size = info.rank // per_replica, info.world_size // per_replica
+    # each DP rank's dropout stream; the TP ranks of one replica draw the same masks, since
+    # dropout acts on activations they hold whole
+    torch.manual_seed(cfg.seed + dp_rank)
+    if tp:
+        from day24_checkpoint.sharded import StackState
+
+        stack, sched = build_tp(cfg, info)
+        opt = stack.optimizer
+        app = StackState(stack, restore_rng=cfg.restore_rng, scheduler=sched)
+    else:
+        gpt, model, opt, sched = build(cfg, info)
+        app = AppState(model, opt, sched, restore_rng=cfg.restore_rng)
     faults = Faults(cfg, info.rank)  # the drills' kills and holds (faults.py)
     ckpt = Checkpointer(
         cfg.ckpt_dir,
@@ -160,7 +200,7 @@ def run(cfg: Config, info) -> dict:
             f"resumed from {path} (step {start}) at world size {info.world_size} in "
             f"{time.perf_counter() - t0:.2f} s; attempt {restart_count()}"
         )
-    per_rank = cfg.global_batch // info.world_size
+    per_rank = cfg.global_batch // dp_size
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch * cfg.seq_len)
     record = LossRecord(cfg.out_dir, info.is_main, fresh=start == 0 and restart_count() == 0)
     for step in range(start, cfg.steps):
@@ -171,17 +211,22 @@ def run(cfg: Config, info) -> dict:
             per_rank,
             seed=cfg.seed,
             step=step,
-            dp_rank=info.rank,
-            dp_size=info.world_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
         )
         t0 = time.perf_counter()
-        loss = loss_fn(model(x.to(info.device)), y.to(info.device))
-        loss.backward()
+        x, y = x.to(info.device), y.to(info.device)
+        if tp:
+            loss = stack_step(stack, x, y)
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            loss = loss.item()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         app.progress.step, app.progress.samples = step + 1, (step + 1) * cfg.global_batch
-        mean = dtl_dist.all_reduce_scalar(loss.item(), average=True)
+        mean = dtl_dist.all_reduce_scalar(loss, average=True)
         blocked = 0.0
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             blocked = ckpt.save(app, step + 1).blocked_s
@@ -194,9 +239,23 @@ def run(cfg: Config, info) -> dict:
         )
     ckpt.wait()
     log.close()
-    return dict(
-        sha=params_sha256(gpt if cfg.parallel == "ddp" else model), ckpt=ckpt, resumed=resumed
-    )
+    if tp:
+        from day22_megatron.stack import full_state
+
+        sha = tensors_sha256(full_state(stack))
+    else:
+        sha = params_sha256(gpt if cfg.parallel == "ddp" else model)
+    return dict(sha=sha, ckpt=ckpt, resumed=resumed)
+
+
+def stack_step(stack, x, y) -> float:
+    """Forward and backward through day 22's stack (vocab-parallel loss), DP gradients
+    averaged; returns the loss (every TP rank holds it whole)."""
+    from day22_megatron.stack import forward_backward, sync_gradients
+
+    loss = forward_backward(stack, [(x, y)])
+    sync_gradients(stack)
+    return loss
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -280,6 +280,21 @@ def test_a_rank_killed_mid_training_resumes_bit_identical_under_max_restarts(dri
     assert result["restart_s"] is not None and result["restart_s"] > 0
 
 
+@pytest.fixture(scope="module")
+def tp_drills(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tp_drills"))
+    cfg = DrillConfig(out_dir=out, steps=8, save_every=3, parallel="tp")
+    return Drills(cfg, run_module=run_script)
+
+
+def test_a_killed_rank_of_a_tensor_parallel_run_resumes_bit_identical(tp_drills):
+    """The same drill on day 22's stack at tp 2: its checkpoint is sharded.py's (every TP shard a
+    DTensor); the resumed run's losses and final parameters equal an uninterrupted run's."""
+    result = tp_drills.kill_rank(step=5)
+    assert result["resumed_from"] == 3, result["tail"]
+    assert result["ok"], result["tail"]
+
+
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loaded(drills):
     result = drills.kill_during_save()
     assert result["resumed_from"] == 3, result["tail"]  # the step-6 save was never committed
