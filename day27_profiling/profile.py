@@ -20,10 +20,12 @@ too (the CUDA activity only for a run on GPUs, by dtl.dist's rule; a gloo run ha
 Under Nsight Systems (--profiler=nsys, or auto: nsys sets NSYS_PROFILING_SESSION_ID) there is no
 torch.profiler at all: torch.profiler's CUDA activity and nsys both subscribe to CUPTI, which
 takes one subscriber, and emit_nvtx inside torch.profiler fails ("Profiler is already enabled on
-this thread", pytorch issue 44881). Instead the same hook calls cudaProfilerStart before step
-`active_step` and cudaProfilerStop after it (`nsys profile --capture-range=cudaProfilerApi`), and
-opens the NVTX range `capture` over it: the window nsys_sqlite.py cuts. The lessons' NVTX ranges
-name everything inside. nsys.py builds and runs the whole line, one report per rank.
+this thread", pytorch issue 44881). Instead NsysWindow calls cudaProfilerStart as the lesson's
+`step` range number `active_step` opens and cudaProfilerStop as it closes (dtl.profile.watch_steps;
+the optimizer hook's window for a lesson without `step` ranges), for `nsys profile
+--capture-range=cudaProfilerApi`, and opens the NVTX range `capture` over it: the window
+nsys_sqlite.py cuts. The lessons' NVTX ranges name everything inside. nsys.py builds and runs
+the whole line, one report per rank.
 A lesson that runs its own profiler must turn it off (day 17: --profile_step=-1): torch allows
 one profiler at a time, and none may run under nsys.
 """
