@@ -10,8 +10,11 @@ used exactly like torch's DDP: `loss_fn(model(x), y).backward(); opt.step()`.
              after the first iteration in the order the gradients actually became ready
 
 Every strategy computes g = (1/n) sum_r g_r: the gradient of the mean loss over the global batch,
-what one process computes on the n local batches concatenated. Names in the comments point at
-torch's C++ Reducer (torch/csrc/distributed/c10d/reducer.cpp), which these classes imitate.
+what one process computes on the n local batches concatenated. Each collective runs inside a
+named range (dtl.profile.range): `all_reduce bucket 3` around its launch, `wait all_reduce`
+around the wait before the optimizer, so a trace or an Nsight Systems report names them.
+Names in the comments point at torch's C++ Reducer (torch/csrc/distributed/c10d/reducer.cpp),
+which these classes imitate.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day17_ddp import ddp_logging
+from dtl import profile as dtl_profile
 from dtl.dist import run_device
 from dtl.flat import FlatBuffer
 
@@ -107,8 +111,9 @@ class _GradSync(nn.Module):
     def _broadcast_from_rank0(self) -> None:
         # DDP's _sync_module_states: every replica starts from rank 0's parameters and buffers
         src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(t, src=src, group=self.group)
+        with dtl_profile.range(dtl_profile.comm_name("broadcast", "parameters")):
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t, src=src, group=self.group)
 
     def forward(self, *args, **kwargs):
         # DDP decides in *forward* whether the next backward syncs (Reducer::prepare_for_backward).
@@ -176,10 +181,13 @@ class _GradSync(nn.Module):
         # without an active exception") in about 1 of 8 exits
         self._futures = []
 
-    def _all_reduce_async(self, flat: torch.Tensor, bucket: int | None = None):
-        """Launch a SUM all-reduce of `flat` in place; the returned future also stamps its end."""
+    def _all_reduce_async(self, flat: torch.Tensor, bucket: int | None = None, index: int = 0):
+        """Launch a SUM all-reduce of `flat` in place; the returned future also stamps its end.
+        The range names it `all_reduce bucket <bucket>` (or <index>: a tensor's own "bucket")."""
         event = self.stats.stamp(flat.numel() * flat.element_size(), bucket)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        name = dtl_profile.comm_name("all_reduce", f"bucket {index if bucket is None else bucket}")
+        with dtl_profile.range(name):
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
 
         def done(fut):
             # gloo: runs on its worker thread when the all-reduce is done. NCCL completes the
@@ -205,10 +213,11 @@ class NaiveDDP(_GradSync):
         pass  # only arms _finalize; all the communication happens after backward
 
     def reduce_and_wait(self):
-        for p in self.params:  # one blocking collective per tensor: 28 for the tiny GPT
+        for i, p in enumerate(self.params):  # one blocking collective per tensor: 28 for tiny
             event = self.stats.stamp(p.grad.numel() * p.grad.element_size())
             p.grad.div_(self.world_size)  # pre-divide: SUM of g_r / n = mean
-            dist.all_reduce(p.grad, group=self.group)
+            with dtl_profile.range(dtl_profile.comm_name("all_reduce", f"bucket {i}")):
+                dist.all_reduce(p.grad, group=self.group)
             event[1] = time.perf_counter()
 
 
@@ -218,11 +227,12 @@ class OverlapDDP(_GradSync):
     def grad_ready(self, i, p):
         # p.grad is final for this backward: AccumulateGrad ran and nothing writes it again
         p.grad.div_(self.world_size)
-        self._futures.append(self._all_reduce_async(p.grad))
+        self._futures.append(self._all_reduce_async(p.grad, index=i))
 
     def reduce_and_wait(self):
-        for fut in self._futures:
-            fut.wait()
+        with dtl_profile.range(dtl_profile.comm_name("all_reduce", wait=True)):
+            for fut in self._futures:
+                fut.wait()
 
 
 class BucketDDP(_GradSync):
@@ -263,9 +273,9 @@ class BucketDDP(_GradSync):
         # needs: this rank's GPU under NCCL (a CPU tensor here kills a GPU run at its first
         # rebuild, the second step), the CPU under gloo
         order = torch.tensor(self.ready_order, dtype=torch.int64, device=run_device(self.group))
-        dist.broadcast(
-            order, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group
-        )
+        with dtl_profile.range(dtl_profile.comm_name("broadcast", "bucket order")):
+            src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
+            dist.broadcast(order, src=src, group=self.group)
         self.build(order.tolist())
         self.rebuilt = True
 
@@ -286,8 +296,9 @@ class BucketDDP(_GradSync):
             self.next_bucket += 1
 
     def reduce_and_wait(self):
-        for fut in self._futures:  # the wait before the optimizer step
-            fut.wait()
+        with dtl_profile.range(dtl_profile.comm_name("all_reduce", wait=True)):
+            for fut in self._futures:  # the wait before the optimizer step
+                fut.wait()
         for b, idx in enumerate(self.layout):  # Reducer::copy_bucket_to_grad
             for j, i in enumerate(idx):
                 self.params[i].grad.copy_(self.views[b][j])

@@ -14,15 +14,15 @@ reads the GPU's own kernel times from the profiler trace instead.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 
 from day17_ddp import ddp_logging
 from dtl import profile
-from dtl.profile import StepTimes
+from dtl.profile import StepTimes, gpu_side
 
 MiB = 1024 * 1024
-STEP_MARK = "train_step"  # the record_function around one optimizer step
+STEP_MARK = profile.STEP  # the named range around one optimizer step (dtl.profile.range)
+OPT_MARK = profile.OPTIMIZER  # ... around opt.step()
 
 
 def sync_times(model) -> dict[str, float]:
@@ -87,39 +87,8 @@ def format_layout(sizes: list[int], groups: list[list[str]], limit: int = 12) ->
 # --- the profiler trace -> a timeline of backward compute against the all-reduces ------------
 
 EVALUATE = "autograd::engine::evaluate_function"  # one span per backward node autograd runs
-# Kineto's categories: what ran on the GPU (kernels, copies, and every record_function range
-# repeated over the kernels it queued), and the host calls (cudaLaunchKernel, cuLaunchKernel)
-# whose "correlation" id names the kernel they launched
-KERNEL_CATEGORY = "kernel"
-DEVICE_CATEGORIES = (KERNEL_CATEGORY, "gpu_user_annotation", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime")
-
-
-def gpu_side(path: str) -> tuple[list[tuple[float, float, str, float | None]], set]:
-    """A chrome trace's GPU side, on the clock of profile.parse_trace (ms, 0 = the trace's first
-    complete event): every kernel as (start, end, name, launch), launch = when the host called
-    cudaLaunchKernel for it (None when the trace has no such call); and (name, start) of every
-    event that ran on the GPU, to tell them from the host's. Both empty for a CPU-only trace."""
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    if not events:
-        return [], set()
-    t0 = min(e["ts"] for e in events)  # parse_trace's origin: one clock for both
-
-    def ms(ts: float) -> float:
-        return (ts - t0) / 1e3
-
-    launched, kernels, device = {}, [], set()
-    for e in events:
-        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
-        if cat in LAUNCH_CATEGORIES and "correlation" in args:
-            launched[args["correlation"]] = ms(e["ts"])
-        if cat in DEVICE_CATEGORIES:
-            device.add((e["name"], ms(e["ts"])))
-        if cat == KERNEL_CATEGORY:
-            kernels.append((e, args.get("correlation")))
-    spans = [(ms(e["ts"]), ms(e["ts"] + e["dur"]), e["name"], launched.get(c)) for e, c in kernels]
-    return spans, device
+# a chrome trace's GPU side (kernels, their launches, the device's copies of the ranges):
+# dtl.profile.gpu_side, shared with day 27's device-side cut
 
 
 def _inside(t: float, intervals: list[tuple[float, float]]) -> bool:
@@ -139,13 +108,13 @@ def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
     lanes are GPU kernel times: the kernels those nodes launched, and NCCL's all-reduce kernels.
     The host spans there only say when work was *queued*."""
     kernels, on_gpu = gpu_side(path)
-    # host spans only: a CUDA trace repeats every record_function (train_step, backward ...) on
+    # host spans only: a CUDA trace repeats every record_function (step, backward ...) on
     # the GPU's lanes, spanning the kernels it queued, later than the host ran it
     spans = [s for s in profile.parse_trace(path) if (s.name, s.start_ms) not in on_gpu]
     step = max((s for s in spans if s.name == STEP_MARK), key=lambda s: s.start_ms)
     inside = [s for s in spans if step.start_ms <= s.start_ms <= step.end_ms]
     marks = {s.name: s for s in sorted(inside, key=lambda s: s.start_ms)
-             if s.name in ("forward", "backward", "optimizer")}  # fmt: skip
+             if s.name in (profile.FORWARD, profile.BACKWARD, OPT_MARK)}  # fmt: skip
     # (grad_accum > 1: the last forward and backward, the ones that sync)
     t0 = step.start_ms
     lanes: dict[str, list] = {
@@ -155,9 +124,9 @@ def trace_spans(path: str) -> dict[str, list[tuple[float, float]]]:
         "all-reduce": [],
         "optimizer": [],
     }
-    for name in ("forward", "optimizer"):
-        lanes[name].append((marks[name].start_ms - t0, marks[name].end_ms - t0))
-    bwd = marks["backward"]
+    for lane, mark in (("forward", profile.FORWARD), ("optimizer", OPT_MARK)):
+        lanes[lane].append((marks[mark].start_ms - t0, marks[mark].end_ms - t0))
+    bwd = marks[profile.BACKWARD]
     host_compute = []  # when the backward nodes ran (CPU) or queued their kernels (CUDA)
     for s in inside:
         span = (s.start_ms - t0, s.end_ms - t0)

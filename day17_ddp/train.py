@@ -23,12 +23,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from day17_ddp import bridge, observe
 from day17_ddp.ddp_manual import SyncError, check_sync_args, wrap
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.comm import BUSBW_FACTOR
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import StepLogger
@@ -122,22 +123,23 @@ def train_step(model, opt, tokens, cfg: Config, step: int, info) -> tuple[StepTi
     )
     x, y = x.to(info.device), y.to(info.device)  # (grad_accum * B, T) rows for this rank
     t_step = time.perf_counter()
-    with record_function(observe.STEP_MARK):  # the timeline finds its step by this mark
+    # named ranges (dtl.profile): record_function in a torch.profiler trace, NVTX on a GPU
+    with dtl_profile.range(observe.STEP_MARK):  # the timeline finds its step by this mark
         fwd = bwd = 0.0
         for m in range(cfg.grad_accum):
             # the flag must hold during forward: DDP arms the backward sync there (see the notes)
             model.require_backward_grad_sync = m == cfg.grad_accum - 1
             rows = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
             t0 = time.perf_counter()
-            with record_function("forward"):
+            with dtl_profile.range(dtl_profile.FORWARD):
                 loss = loss_fn(model(x[rows]), y[rows])
             t1 = time.perf_counter()
-            with record_function("backward"):
+            with dtl_profile.range(dtl_profile.BACKWARD):
                 (loss / cfg.grad_accum).backward()  # the last one all-reduces, inside backward
             fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-        with record_function("optimizer"):
+        with dtl_profile.range(observe.OPT_MARK):
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
     dtl_dist.synchronize(info.device)
     return observe.step_breakdown(model, fwd, bwd, time.perf_counter() - t_step), loss.item()
 

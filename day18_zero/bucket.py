@@ -5,6 +5,9 @@ collectives every stage runs live here, with their shapes:
     reduce_scatter  (P,) this rank's local gradients -> (P/N,) the mean of my slice over ranks
     all_gather      (P/N,) my slice of the parameters -> (P,) every slice, in rank order (stage 3:
                     just before a unit runs; stages 1 and 2: the new parameters after the step)
+
+Each runs inside a named range (dtl.profile.range) with the bucket's label: `reduce_scatter
+bucket 1` or `all_gather unit 2` around the launch, `wait all_gather unit 2` around the wait.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from dtl import compat
+from dtl import profile as dtl_profile
 from dtl.flat import FlatBuffer
 from dtl.precision import at_least_fp32
 
@@ -25,9 +29,11 @@ class Bucket:
     """
 
     def __init__(
-        self, params, names, stage: int, rank: int, world: int, group, offload: bool = False
-    ):
+        self, params, names, stage: int, rank: int, world: int, group, offload: bool = False,
+        label: str = "bucket",
+    ):  # fmt: skip
         self.params, self.names = params, names
+        self.label = label  # its name in the ranges: "bucket 1" (stages 1-2), "unit 2", "root"
         self.offload = offload  # the optimizer's tensors (master, m, v) kept in CPU memory
         self.stage, self.rank, self.world, self.group = stage, rank, world, group
         # (P,) = every parameter's values end to end, then zeros up to a multiple of N
@@ -101,13 +107,15 @@ class Bucket:
         # (P,) my local grads on every rank -> (P/N,) the SUM over ranks of my slice, written in
         # place into my slice of the same buffer (NCCL and gloo both accept this aliasing)
         data = self.full_grads.data
-        self.reduce_work = compat.reduce_scatter_single(
-            self.full_grads.shard(self.rank, self.world), data, group=self.group, async_op=True
-        )
+        with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", self.label)):
+            self.reduce_work = compat.reduce_scatter_single(
+                self.full_grads.shard(self.rank, self.world), data, group=self.group, async_op=True
+            )
 
     def finish_reduce_scatter(self) -> None:
         """Wait; turn the sum into the mean; stages 2/3 add it to the kept slice, free the rest."""
-        self.reduce_work.wait()
+        with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", self.label, wait=True)):
+            self.reduce_work.wait()
         self.reduce_work = None
         mine = self.full_grads.shard(self.rank, self.world)
         if self.stage == 1:
@@ -130,15 +138,17 @@ class Bucket:
         storage = self.full.data.untyped_storage()
         storage.resize_(self.padded_numel * self.full.data.element_size())  # memory back
         # (P/N,) my slice on every rank -> (P,) all slices in rank order, into the full buffer
-        self.gather_work = compat.all_gather_single(
-            self.full.data, self.param_shard, group=self.group, async_op=True
-        )
+        with dtl_profile.range(dtl_profile.comm_name("all_gather", self.label)):
+            self.gather_work = compat.all_gather_single(
+                self.full.data, self.param_shard, group=self.group, async_op=True
+            )
 
     def wait_gather(self) -> None:
         if self.gathered:
             return
         self.launch_gather()  # no-op if a prefetch already launched it
-        self.gather_work.wait()
+        with dtl_profile.range(dtl_profile.comm_name("all_gather", self.label, wait=True)):
+            self.gather_work.wait()
         self.gather_work = None
         self._point_params_at_full()
         self.gathered = True

@@ -180,7 +180,7 @@ def run(cfg: Config, info) -> dict:
         batches = micro_batches(corpus.train, cfg, step, info.rank, info.world_size, info.device)
         before = dict(counter.ring_bytes)
         t0 = time.perf_counter()
-        local = trainer.step(batches)
+        local = trainer.step(batches)  # inside: the named ranges step, forward, backward, ...
         if info.device.type == "cuda":  # the step's kernels, not only their launch
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from dtl import profile as dtl_profile
 from dtl.model import loss_fn
 from dtl.optim import OptimConfig
 from dtl.precision import Precision
@@ -43,7 +44,8 @@ class Trainer:
         The model state is counted just before the optimizer step, when all three kinds exist:
         the gradients of this step and the optimizer state of the previous ones.
         """
-        return self.run_step(micro_batches).item()
+        with dtl_profile.range(dtl_profile.STEP):  # named ranges: see dtl.profile
+            return self.run_step(micro_batches).item()
 
     def run_step(self, micro_batches) -> torch.Tensor:
         """step() without reading the loss back to the host: the mean loss as a 0-dim tensor.
@@ -53,11 +55,15 @@ class Trainer:
         for m, (x, y) in enumerate(micro_batches):
             last = m == k - 1
             with self.accumulating(last):
-                loss = loss_fn(self.forward(x), y)
-                self.backward(loss, k)
+                # named ranges (dtl.profile): a torch.profiler trace and Nsight Systems see them
+                with dtl_profile.range(dtl_profile.FORWARD):
+                    loss = loss_fn(self.forward(x), y)
+                with dtl_profile.range(dtl_profile.BACKWARD):
+                    self.backward(loss, k)
             total = total + loss.detach()
         self.bytes_before_step = self.state_bytes()
-        self.optimizer_step()
+        with dtl_profile.range(dtl_profile.OPTIMIZER):
+            self.optimizer_step()
         return total / k
 
     def forward(self, x):

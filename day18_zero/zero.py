@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten
 from day17_ddp.ddp_manual import assign_buckets
 from day18_zero.bucket import Bucket
 from dtl import compat
+from dtl import profile as dtl_profile
 from dtl.flat import FlatBuffer
 from dtl.grid import ParallelGrid
 from dtl.state import StateBytes, nbytes, optimizer_state_bytes
@@ -112,12 +113,14 @@ class ZeroModel(nn.Module):
         else:
             self.units, root_group = [], []
             groups = _size_buckets(named, int(bucket_cap_mb * MiB))
-        make = lambda g: Bucket(  # noqa: E731
+        make = lambda g, label: Bucket(  # noqa: E731
             [p for _, p in g], [n for n, _ in g], stage, self.rank, self.world, group,
-            offload_optimizer,
+            offload_optimizer, label,
         )  # fmt: skip
-        self.root = make(root_group) if root_group else None  # stage 3's always-gathered unit
-        self.unit_buckets = [make(g) for g in groups]
+        # stage 3's always-gathered unit; the labels name the buckets in profiler ranges
+        self.root = make(root_group, "root") if root_group else None
+        kind = "unit" if stage == 3 else "bucket"
+        self.unit_buckets = [make(g, f"{kind} {i}") for i, g in enumerate(groups)]
         self.buckets = ([self.root] if self.root else []) + self.unit_buckets
         self.locate = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for p in (p for b in self.buckets for p in b.params):
@@ -132,8 +135,9 @@ class ZeroModel(nn.Module):
     @torch.no_grad()
     def _broadcast_from_first_rank(self) -> None:
         src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(t, src=src, group=self.group)
+        with dtl_profile.range(dtl_profile.comm_name("broadcast", "parameters")):
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t, src=src, group=self.group)
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -290,13 +294,15 @@ class ZeroModel(nn.Module):
                 b.param_shard.copy_(b.master)  # fp32 master -> the slice (CPU -> device)
             if self.stage < 3:
                 # (P/N,) my new slice -> (P,) every rank's, into the model's parameters in place
-                b.gather_work = compat.all_gather_single(
-                    b.full.data, b.param_shard, group=self.group, async_op=True
-                )
-        for b in self.buckets:
-            if b.gather_work is not None:
-                b.gather_work.wait()
-                b.gather_work = None
+                with dtl_profile.range(dtl_profile.comm_name("all_gather", b.label)):
+                    b.gather_work = compat.all_gather_single(
+                        b.full.data, b.param_shard, group=self.group, async_op=True
+                    )
+        with dtl_profile.range(dtl_profile.comm_name("all_gather", wait=True)):
+            for b in self.buckets:
+                if b.gather_work is not None:
+                    b.gather_work.wait()
+                    b.gather_work = None
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -24,12 +24,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dtl import profile as dtl_profile
+
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x.view_as(x)
     x = x.contiguous().clone()  # all_reduce works in place: never sum into autograd's tensor
-    dist.all_reduce(x, group=group)
+    with dtl_profile.range(dtl_profile.comm_name("all_reduce", "tp")):  # a named range
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -46,7 +49,8 @@ def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
         return x.view_as(x)
     # (…, C/t) on every rank -> t pieces in rank order -> (…, C)
     parts = [torch.empty_like(x) for _ in range(t)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with dtl_profile.range(dtl_profile.comm_name("all_gather", "tp")):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 

@@ -31,6 +31,7 @@ from day19_tp.layout import plot_layout
 from day19_tp.tp import TPError, apply_tp, check_tp, full_tensors, tp_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
@@ -98,10 +99,15 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         )
         x, y = x.to(info.device), y.to(info.device)
         t0 = time.perf_counter()
-        with CommCounter(group=grid.tp_group) as comm:  # the TP group's collectives only
-            loss = tp_loss(gpt, model(x), y)
-            loss.backward()
-        opt.step()
+        # the named ranges of dtl.profile: a torch.profiler trace and Nsight Systems show them
+        with dtl_profile.range(dtl_profile.STEP):
+            with CommCounter(group=grid.tp_group) as comm:  # the TP group's collectives only
+                with dtl_profile.range(dtl_profile.FORWARD):
+                    loss = tp_loss(gpt, model(x), y)
+                with dtl_profile.range(dtl_profile.BACKWARD):
+                    loss.backward()
+            with dtl_profile.range(dtl_profile.OPTIMIZER):
+                opt.step()
         opt.zero_grad(set_to_none=True)
         if info.device.type == "cuda":  # the step's kernels, not only their launch
             torch.cuda.synchronize(info.device)

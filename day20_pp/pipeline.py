@@ -32,6 +32,9 @@ handshake. On a GPU each action's span ends when its kernels have run (the host 
 so the timeline's spans and idle time are the device's, not the launches'.
 After the last action, the tied embedding's two copies (wte on the first stage, lm_head on the
 last) get their gradients summed over the embedding group, as Megatron does.
+Named ranges (dtl.profile.range): each action is one (`F3`, `B3`, `I3`, `W3`; `F3.1` on chunk
+1: the schedule's names), and inside it `recv F3` / `send F3` for its messages, so a CPU trace
+and an Nsight Systems report show the schedule by name.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day20_pp.schedules import Action, Placement, p2p_lane
+from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
@@ -151,6 +155,7 @@ class PipelineRunner:
         self.device, self.dtype = first.device, first.dtype  # recv buffers: as the stages
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
         self.lane_groups = _lane_groups(grid)  # "up" / "down": one process group per direction
+        self._name = ""  # the running action's name (F3, B3.1): its messages' ranges say it
 
     # --- where things live --------------------------------------------------------------------
 
@@ -191,12 +196,15 @@ class PipelineRunner:
                 self._t_ready = None  # set when the action's input has arrived (after its recv)
                 t0 = time.perf_counter()
                 live.key = (a.mb, a.chunk)
-                getattr(self, f"_{a.kind}")(a.mb, a.chunk)
+                self._name = str(a)  # F3, B3.1: the action's range, and its messages' names
+                with dtl_profile.range(self._name):
+                    getattr(self, f"_{a.kind}")(a.mb, a.chunk)
                 # the span is the work, not the wait for the neighbour: that wait is the bubble
                 rec.spans.append((self._t_ready or t0, _done(self.device), a))
                 rec.peak_in_flight = max(rec.peak_in_flight, live.in_flight())
-        for work in self.sends:  # every isend must complete before its buffer is reused
-            work.wait()
+        with dtl_profile.range(dtl_profile.comm_name("send", wait=True)):
+            for work in self.sends:  # every isend must complete before its buffer is reused
+                work.wait()
         self._sum_tied_embedding_grads()
         _done(self.device)  # the step's host time includes its GPU work (callers time it)
         last = self._stage(self.v - 1) == self.n_stages - 1
@@ -209,7 +217,8 @@ class PipelineRunner:
         else:  # (B_mb, T, C) activations from the previous stage
             x = self._hidden()
             src, tag = self._rank_of(stage - 1), self._tag(mb, stage, False)
-            dist.irecv(x, src=src, group=self._lane(stage - 1, stage), tag=tag).wait()
+            with dtl_profile.range(f"recv {self._name}"):
+                dist.irecv(x, src=src, group=self._lane(stage - 1, stage), tag=tag).wait()
             self._t_ready = _done(x.device)
             x.requires_grad_()
         out = model(x)
@@ -218,14 +227,15 @@ class PipelineRunner:
             out = self.loss_fn(out, self.batches[mb][1]) / self.m  # mean over micro-batches
             self.loss += simulate.item(out)  # (nan under dtl.simulate: no values there)
         else:
-            self.sends.append(
-                dist.isend(
-                    out.detach().contiguous(),
-                    dst=self._rank_of(stage + 1),
-                    group=self._lane(stage, stage + 1),
-                    tag=self._tag(mb, stage + 1, False),
+            with dtl_profile.range(f"send {self._name}"):
+                self.sends.append(
+                    dist.isend(
+                        out.detach().contiguous(),
+                        dst=self._rank_of(stage + 1),
+                        group=self._lane(stage, stage + 1),
+                        tag=self._tag(mb, stage + 1, False),
+                    )
                 )
-            )
         self.outputs[(mb, chunk)] = out
 
     def _grad_of_output(self, mb: int, chunk: int) -> torch.Tensor | None:
@@ -234,21 +244,23 @@ class PipelineRunner:
             return None  # the loss: backward starts here
         g = self._hidden()
         src, tag = self._rank_of(stage + 1), self._tag(mb, stage, True)
-        dist.irecv(g, src=src, group=self._lane(stage + 1, stage), tag=tag).wait()
+        with dtl_profile.range(f"recv {self._name}"):
+            dist.irecv(g, src=src, group=self._lane(stage + 1, stage), tag=tag).wait()
         self._t_ready = _done(g.device)
         return g
 
     def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
         stage = self._stage(chunk)
         if stage > 0:
-            self.sends.append(
-                dist.isend(
-                    grad.contiguous(),
-                    dst=self._rank_of(stage - 1),
-                    group=self._lane(stage, stage - 1),
-                    tag=self._tag(mb, stage - 1, True),
+            with dtl_profile.range(f"send {self._name}"):
+                self.sends.append(
+                    dist.isend(
+                        grad.contiguous(),
+                        dst=self._rank_of(stage - 1),
+                        group=self._lane(stage, stage - 1),
+                        tag=self._tag(mb, stage - 1, True),
+                    )
                 )
-            )
 
     def _B(self, mb: int, chunk: int) -> None:
         out, x = self.outputs.pop((mb, chunk)), self.inputs.pop((mb, chunk))
@@ -281,7 +293,8 @@ class PipelineRunner:
         elif self._stage(self.v - 1) == self.n_stages - 1:
             weight = last.lm_head.weight
         if weight is not None:
-            dist.all_reduce(weight.grad, group=self.grid.embedding_group)
+            with dtl_profile.range(dtl_profile.comm_name("all_reduce", "tied embedding")):
+                dist.all_reduce(weight.grad, group=self.grid.embedding_group)
 
 
 class Pipeline:

@@ -37,6 +37,7 @@ from day20_pp.pipeline import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
@@ -105,11 +106,13 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         batches = micro_batches(corpus.train, cfg, step, grid, info.device)
         dist.barrier()  # every rank starts the step together: idle time is the schedule's
         t0 = time.perf_counter()
-        loss, record = runner.step(actions[grid.pp_rank], batches)
-        dt = time.perf_counter() - t0
-        # data parallelism beside the pipeline: every stage's gradients averaged over its DP group
-        dtl_dist.average_gradients(params, grid.dp_group)
-        opt.step()
+        with dtl_profile.range(dtl_profile.STEP):  # the actions inside: F0, B0, ... (named)
+            loss, record = runner.step(actions[grid.pp_rank], batches)
+            dt = time.perf_counter() - t0
+            # DP beside the pipeline: every stage's gradients averaged over its DP group
+            dtl_dist.average_gradients(params, grid.dp_group)
+            with dtl_profile.range(dtl_profile.OPTIMIZER):
+                opt.step()
         opt.zero_grad(set_to_none=True)
         # the loss lives on each replica's last stage (0.0 elsewhere): sum, then mean over DP
         losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / grid.dp_size)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtl import profile as dtl_profile
 from dtl.data import cp_chunks
 from dtl.precision import at_least_fp32
 
@@ -139,7 +140,8 @@ def _ring_send_recv(tensor: torch.Tensor, group, tag: int):
         dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % cp), group, tag),
         dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, (r - 1) % cp), group, tag),
     ]
-    return buf, dist.batch_isend_irecv(ops)
+    with dtl_profile.range(dtl_profile.comm_name("send/recv", "ring")):  # a named range
+        return buf, dist.batch_isend_irecv(ops)
 
 
 @dataclass
@@ -170,8 +172,8 @@ class _Clock:
 
     def __enter__(self):
         # a named range in torch.profiler traces ("ring.compute_s", "ring.wait_s"): bench.py
-        # reads them back to see which transfers were hidden behind compute
-        self.range = torch.profiler.record_function(f"ring.{self.key}")
+        # reads them back to see which transfers were hidden behind compute (and NVTX on a GPU)
+        self.range = dtl_profile.range(f"ring.{self.key}")
         self.range.__enter__()
         if self.sync:
             torch.cuda.current_stream(self.device).synchronize()

@@ -43,6 +43,7 @@ from day19_tp.tp import (
 )
 from day19_tp.tp_comms import _all_reduce
 from dtl import compat
+from dtl import profile as dtl_profile
 from dtl.model import GPT, tp_shard_of
 
 
@@ -64,7 +65,8 @@ def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
     t = dist.get_world_size(group)
     front = x.movedim(-2, 0).contiguous()  # (T/t, ..., C)
     out = torch.empty((t * front.size(0), *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = compat.all_gather_single(out, front, group=group, async_op=async_op)
+    with dtl_profile.range(dtl_profile.comm_name("all_gather", "sp")):  # a named range
+        work = compat.all_gather_single(out, front, group=group, async_op=async_op)
     result = out.movedim(0, -2)
     return (result, work) if async_op else result
 
@@ -75,7 +77,8 @@ def reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
     _check_split(x.size(-2), t)
     front = x.movedim(-2, 0).contiguous()  # (T, ..., C)
     out = torch.empty((front.size(0) // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = compat.reduce_scatter_single(out, front, group=group, async_op=async_op)
+    with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", "sp")):
+        work = compat.reduce_scatter_single(out, front, group=group, async_op=async_op)
     result = out.movedim(0, -2)
     return (result, work) if async_op else result
 

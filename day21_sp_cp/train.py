@@ -34,6 +34,7 @@ from day21_sp_cp.cp import ATTENTION, CPError, apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
@@ -163,11 +164,15 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         )
         x, y, pos = cp_batch(gpt, x.to(info.device), y.to(info.device))  # my T/cp tokens
         t0 = time.perf_counter()
-        with CommCounter() as comm:  # every group; the kinds tell cp from tp (module top)
-            logits = model(x, pos)
-            loss = tp_loss(gpt, logits, y) if cfg.tp > 1 else loss_fn(logits, y)
-            loss.backward()
-        opt.step()
+        with dtl_profile.range(dtl_profile.STEP):  # the step's named ranges (dtl.profile)
+            with CommCounter() as comm:  # every group; the kinds tell cp from tp (module top)
+                with dtl_profile.range(dtl_profile.FORWARD):
+                    logits = model(x, pos)
+                    loss = tp_loss(gpt, logits, y) if cfg.tp > 1 else loss_fn(logits, y)
+                with dtl_profile.range(dtl_profile.BACKWARD):
+                    loss.backward()
+            with dtl_profile.range(dtl_profile.OPTIMIZER):
+                opt.step()
         opt.zero_grad(set_to_none=True)
         if info.device.type == "cuda":  # the step's kernels, not only their launch
             torch.cuda.synchronize(info.device)

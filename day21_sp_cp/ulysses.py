@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtl import profile as dtl_profile
+
 
 class UlyssesError(ValueError):
     """Heads that do not split over cp; one line."""
@@ -32,7 +34,8 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Dim 0 of x (cp pieces): piece j goes to rank j; piece i of the result came from rank i."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    with dtl_profile.range(dtl_profile.comm_name("all_to_all", "cp")):  # a named range
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 

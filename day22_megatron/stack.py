@@ -35,6 +35,7 @@ from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
 from day22_megatron.layouts import LayoutError
+from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.dist import average_gradients
 from dtl.grid import ParallelGrid
@@ -129,8 +130,10 @@ def forward_backward(stack: Stack, micro_batches) -> float | None:
     total = 0.0
     for x, y in micro_batches:
         x, y, pos = cp_batch(stack.gpt, x, y)  # (b, T) -> my (b, T/cp) tokens and positions
-        loss = stack.loss(stack.gpt(x, pos), y) / len(micro_batches)
-        loss.backward()
+        with dtl_profile.range(dtl_profile.FORWARD):  # named ranges (the pipeline: F0, B0, ...)
+            loss = stack.loss(stack.gpt(x, pos), y) / len(micro_batches)
+        with dtl_profile.range(dtl_profile.BACKWARD):
+            loss.backward()
         total += simulate.item(loss)  # (a fake loss under dtl.simulate has no value)
     return total
 

@@ -42,6 +42,7 @@ from day22_megatron.stack import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
@@ -160,12 +161,14 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         mbs = micro_batches(corpus.train, cfg, step, grid, info.device)
         dist.barrier()  # every rank starts together: pipeline idle time is the schedule's
         t0 = time.perf_counter()
-        with CommCounter() as comm:
-            loss = forward_backward(stack, mbs)
-            t_fb = time.perf_counter() - t0
-            sync_gradients(stack)
-            norms.append(clip_gradients(stack, cfg.clip_grad or None))
-        stack.optimizer.step()
+        with dtl_profile.range(dtl_profile.STEP):  # named ranges: see dtl.profile
+            with CommCounter() as comm:
+                loss = forward_backward(stack, mbs)
+                t_fb = time.perf_counter() - t0
+                sync_gradients(stack)
+                norms.append(clip_gradients(stack, cfg.clip_grad or None))
+            with dtl_profile.range(dtl_profile.OPTIMIZER):
+                stack.optimizer.step()
         state = stack_state_bytes(stack)
         stack.optimizer.zero_grad(set_to_none=True)
         dtl_dist.synchronize(info.device)

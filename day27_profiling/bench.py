@@ -32,10 +32,12 @@ from day27_profiling import ceiling, mfu, trace_analysis
 from day27_profiling.profile import trace_path
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import peak_flops
 from dtl.model import GPT, PresetName, loss_fn, preset
 from dtl.precision import PRECISIONS, Precision
+from dtl.profile import parse_trace
 from dtl.registry import child_env
 
 TRACES_BACKEND = "gloo"  # part=traces: the backend of the profiled runs, on any machine
@@ -45,6 +47,22 @@ RUNS = {  # name -> (module, args): the runs part=traces profiles
     # the trace is the point: day 20's one-process check (rank 0 alone, ~10 s here) is left out
     "pp_1f1b": ("day20_pp.train", ["--schedule=1f1b", "--pp=2", "--check=false"]),
 }
+_STEP = [dtl_profile.STEP, dtl_profile.OPTIMIZER]
+_DDP = [*_STEP, dtl_profile.FORWARD, dtl_profile.BACKWARD, "all_reduce bucket 0"]
+RANGES = {  # run -> named ranges (dtl.profile.range, in the lesson's code) its traces must show
+    "ddp_naive": [*_DDP, "all_reduce bucket 51"],  # one per gradient: small has 52
+    "ddp_bucket": [*_DDP, "all_reduce bucket 1", "wait all_reduce"],
+    # 1F1B at p = 2, m = 8: every action by its schedule name; rank 0 sends activations and
+    # receives gradients, rank 1 the reverse; the tied embedding's all-reduce on both
+    "pp_1f1b": [*_STEP, "F0", "F7", "B0", "B7", "send F0", "recv F0", "send B7", "recv B7",
+                "all_reduce tied embedding", "wait send"],
+}  # fmt: skip
+
+
+def missing_ranges(name: str, trace_dir: str, ranks=(0, 1)) -> list[str]:
+    """RANGES[name] that no rank's trace holds (names from dtl.profile.parse_trace)."""
+    names = {s.name for r in ranks for s in parse_trace(trace_path(trace_dir, r))}
+    return [n for n in RANGES[name] if n not in names]
 
 
 @dataclass
@@ -234,9 +252,11 @@ def part_traces(cfg: Config) -> str:
             "kernel lanes); this PASS is not a GPU result",
             flush=True,
         )
-    parts, lanes = [], {}
+    parts, lanes, named = [], {}, []
     for name in cfg.runs.split(","):
         output, trace_dir = profile_run(name, cfg.out_dir)
+        missing = missing_ranges(name, trace_dir)
+        named.append(f"{name} " + (f"NO (missing {', '.join(missing)})" if missing else "yes"))
         ranks = [trace_analysis.breakdown(trace_path(trace_dir, r)) for r in (0, 1)]
         for r, b in enumerate(ranks):
             print(f"{name} rank {r}: {b.line()}")
@@ -265,6 +285,7 @@ def part_traces(cfg: Config) -> str:
         lanes, path, "one traced step per rank: compute, comm hidden, comm exposed, idle"
     )
     print(f"plot: {path}")
+    print(f"summary: day27 traces ranges by name: {', '.join(named)}")
     return f"summary: day27 traces: {'; '.join(parts)}"
 
 

@@ -12,21 +12,26 @@ first ones pay for allocation and warm-up), step `active_step` is recorded and w
 <trace_dir>/rank<R>.json, the rest run unprofiled. The trace holds one `ProfilerStep#N` range:
 the window trace_analysis.py cuts the step out with.
 
-CPU: host ops (aten::..., autograd::...) on the calling thread, gloo's work on its own threads.
-CUDA: kernels and NCCL kernels on their streams too, and NVTX ranges for every op
-(torch.autograd.profiler.emit_nvtx) when Nsight Systems records the run, with this command:
+CPU: host ops (aten::..., autograd::...) on the calling thread, gloo's work on its own threads,
+and the lessons' named ranges (dtl.profile.range: step, forward, backward, optimizer.step, the
+hand-written collectives, the pipeline actions). CUDA: kernels and NCCL kernels on their streams
+too (the CUDA activity only for a run on GPUs, by dtl.dist's rule; a gloo run has no kernels).
 
-    nsys profile --trace=cuda,nvtx,osrt --output=<trace_dir>/nsys <the torchrun line>
-
-(NVTX and the CUDA activity are only recorded for a run on GPUs, by dtl.dist's rule; a gloo run,
-on a GPU machine too, has no kernels to show.)
+Under Nsight Systems (--profiler=nsys, or auto: nsys sets NSYS_PROFILING_SESSION_ID) there is no
+torch.profiler at all: torch.profiler's CUDA activity and nsys both subscribe to CUPTI, which
+takes one subscriber, and emit_nvtx inside torch.profiler fails ("Profiler is already enabled on
+this thread", pytorch issue 44881). Instead NsysWindow calls cudaProfilerStart as the lesson's
+`step` range number `active_step` opens and cudaProfilerStop as it closes (dtl.profile.watch_steps;
+the optimizer hook's window for a lesson without `step` ranges), for `nsys profile
+--capture-range=cudaProfilerApi`, and opens the NVTX range `capture` over it: the window
+nsys_sqlite.py cuts. The lessons' NVTX ranges name everything inside. nsys.py builds and runs
+the whole line, one report per rank.
 A lesson that runs its own profiler must turn it off (day 17: --profile_step=-1): torch allows
-one profiler at a time.
+one profiler at a time, and none may run under nsys.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import runpy
@@ -34,11 +39,13 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 
 
 @dataclass
@@ -48,11 +55,23 @@ class Config:
     run: str = ""  # ... and the name of its run: its CPU line is wrapped and run
     active_step: int = 2  # optimizer steps run before the one that is traced
     trace_dir: str = "outputs/day27_profiling/traces"  # rank<R>.json
-    nvtx: bool = True  # emit NVTX ranges on a GPU run (for Nsight Systems)
+    # torch: torch.profiler, a trace per rank | nsys: cudaProfilerStart/Stop for Nsight Systems
+    # (a GPU run) | auto: nsys when run under nsys (NSYS_PROFILING_SESSION_ID), else torch
+    profiler: Literal["auto", "torch", "nsys"] = "auto"
 
     def validate(self) -> None:
         if bool(self.target) == bool(self.lesson):
             raise dtl_config.ConfigError("give either --target=<module> or --lesson=<day> --run=")
+        if self.profiler == "auto":
+            self.profiler = "nsys" if os.environ.get(NSYS_SESSION) else "torch"
+        if self.profiler == "nsys" and self.target and not run_on_gpu():
+            raise dtl_config.ConfigError(
+                "profiler nsys captures CUDA work, and this run computes on the CPU (gloo, by "
+                "dtl.dist's rule); use --profiler=torch"
+            )
+
+
+NSYS_SESSION = "NSYS_PROFILING_SESSION_ID"  # set by `nsys profile` in the processes it records
 
 
 def trace_path(trace_dir: str, rank: int) -> str:
@@ -69,15 +88,59 @@ def run_on_gpu() -> bool:
         return False  # the target's init() reports the bad DTL_BACKEND in one line
 
 
-def nvtx_context(enabled: bool):
-    """NVTX ranges for Nsight Systems, only on a GPU run (a CPU run gets a null context)."""
-    if enabled and run_on_gpu():
-        return torch.autograd.profiler.emit_nvtx(record_shapes=False)
-    return contextlib.nullcontext()
+class NsysWindow:
+    """Hands Nsight Systems one step: cudaProfilerStart before it, cudaProfilerStop after it, and
+    the NVTX range `capture` (start/end: it may span push/pop ranges) over it. The step is the
+    lesson's own `step` range number `active_step` (dtl.profile.watch_steps); a lesson that marks
+    no step range gets torch.profiler's window instead, from the end of optimizer step
+    `active_step` to the end of the next (the optimizer post-hook). The device is synchronized
+    at both ends, so the step's kernels, and only they, run inside."""
+
+    def __init__(self, active_step: int):
+        self.active_step, self.handle, self.captured = active_step, None, False
+        self.ranges = self.steps = 0  # `step` ranges opened; optimizer steps done
+        self.by_range = False  # the lesson marks its steps: capture by range, not by hook
+
+    def step_range(self, entering: bool) -> None:  # dtl.profile.watch_steps
+        self.by_range = True
+        if entering:
+            if self.ranges == self.active_step:
+                self.open()
+            self.ranges += 1
+        elif self.ranges == self.active_step + 1:
+            self.close()
+
+    def __call__(self, *hook_args) -> None:  # the optimizer post-hook
+        self.steps += 1
+        if self.by_range:
+            return
+        if self.steps == self.active_step:
+            self.open()
+        elif self.steps == self.active_step + 1:
+            self.close()
+
+    def open(self) -> None:
+        if self.handle is not None or self.captured:
+            return
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        self.handle = torch.cuda.nvtx.range_start(dtl_profile.CAPTURE)
+
+    def close(self) -> None:
+        if self.handle is None:
+            return
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_end(self.handle)
+        torch.cuda.profiler.stop()
+        self.handle, self.captured = None, True
 
 
 def profile_module(cfg: Config, target_argv: list[str]) -> None:
-    """Run `cfg.target` as __main__ under torch.profiler; trace step `active_step`."""
+    """Run `cfg.target` as __main__ under torch.profiler (trace step `active_step`), or under
+    Nsight Systems with that step between cudaProfilerStart and cudaProfilerStop."""
+    if cfg.profiler == "nsys":
+        capture_module(cfg, target_argv)
+        return
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -97,12 +160,42 @@ def profile_module(cfg: Config, target_argv: list[str]) -> None:
     hook = register_optimizer_step_post_hook(lambda *args: prof.step())
     sys.argv = [cfg.target, *target_argv]
     try:
-        with prof, nvtx_context(cfg.nvtx):
+        with prof:
             runpy.run_module(cfg.target, run_name="__main__", alter_sys=True)
     finally:
         hook.remove()
     if rank == 0:
         print(trace_summary(cfg.target, path), flush=True)
+
+
+def capture_module(cfg: Config, target_argv: list[str]) -> None:
+    """Run `cfg.target` as __main__ with no torch.profiler: NsysWindow hands Nsight Systems one
+    step (`nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    window = NsysWindow(cfg.active_step)
+    hook = register_optimizer_step_post_hook(window)
+    unwatch = dtl_profile.watch_steps(window.step_range)
+    sys.argv = [cfg.target, *target_argv]
+    try:
+        runpy.run_module(cfg.target, run_name="__main__", alter_sys=True)
+    finally:
+        hook.remove()
+        unwatch()
+        window.close()  # a run that ended inside the window: stop the capture there
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(capture_summary(cfg.target, window), flush=True)
+
+
+def capture_summary(target: str, window: NsysWindow) -> str:
+    by = "its `step` range" if window.by_range else "optimizer steps (no `step` range)"
+    what = (
+        f"step {window.active_step} by {by} between cudaProfilerStart and cudaProfilerStop, "
+        f"NVTX range '{dtl_profile.CAPTURE}' over it"
+        if window.captured
+        else f"nothing captured ({max(window.ranges, window.steps)} steps, fewer than asked)"
+    )
+    return f"summary: day27 nsys capture of {target}: {what}"
 
 
 def trace_summary(target: str, path: str) -> str:
@@ -114,18 +207,22 @@ def trace_summary(target: str, path: str) -> str:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    nccl = sum("nccl" in e.get("name", "").lower() for e in kernels)
+    nccl = sum(dtl_profile.is_nccl_kernel(e.get("name", "")) for e in kernels)
     busy_ms = sum(e.get("dur", 0) for e in kernels) / 1e3
-    gpu = (
-        f"{len(kernels):,} CUDA kernels ({nccl} NCCL), {busy_ms:.1f} ms of kernel time"
-        if kernels
-        else "no CUDA kernels (a CPU run)"
-    )
+    gpu = "no CUDA kernels (a CPU run)"
+    if kernels:  # the traced step on the device's clock (trace_analysis.device_cut)
+        from day27_profiling import trace_analysis
+
+        cut = trace_analysis.breakdown(path).line()
+        gpu = f"{len(kernels):,} CUDA kernels ({nccl} NCCL), {busy_ms:.1f} ms of kernel time; {cut}"
     return f"summary: day27 profile of {target}: {path}, {len(events):,} events, {gpu}"
 
 
-def wrapped_line(lesson: int, run: str, trace_dir: str, active_step: int) -> list[str]:
-    """A registered CPU launch line with this wrapper inserted before its module."""
+def wrapped_line(
+    lesson: int, run: str, trace_dir: str, active_step: int, gpu: bool = False, extra=()
+) -> list[str]:
+    """A registered launch line (CPU, or with `gpu` the GPU one) with this wrapper inserted
+    before its module; `extra` words go after the wrapper's own (e.g. --profiler=nsys)."""
     from dtl import registry
 
     lessons = {x.day: x for x in registry.load()}
@@ -134,7 +231,7 @@ def wrapped_line(lesson: int, run: str, trace_dir: str, active_step: int) -> lis
     runs = {r.name: r for r in lessons[lesson].runs}
     if run not in runs:
         raise dtl_config.ConfigError(f"day {lesson} has no run '{run}'; one of {', '.join(runs)}")
-    words = shlex.split(runs[run].cpu)
+    words = shlex.split(runs[run].gpu if gpu else runs[run].cpu)
     i = words.index("-m")
     module = words[i + 1]
     return [
@@ -144,6 +241,7 @@ def wrapped_line(lesson: int, run: str, trace_dir: str, active_step: int) -> lis
         f"--target={module}",
         f"--trace_dir={trace_dir}",
         f"--active_step={active_step}",
+        *extra,
         "--",
         *words[i + 2 :],
     ]
@@ -162,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         dtl_config.exit_with_error(e)  # one line, exit 2
     print("running: " + " ".join(shlex.quote(w) for w in line), flush=True)
     print(
-        "with Nsight Systems (GPU machines): nsys profile --trace=cuda,nvtx,osrt "
-        f"--output={cfg.trace_dir}/nsys " + " ".join(shlex.quote(w) for w in line),
+        "with Nsight Systems (GPU machines), one report per rank: python -m day27_profiling.nsys "
+        f"--lesson={cfg.lesson} --run_name={cfg.run}",
         flush=True,
     )
     line[0] = "torch.distributed.run" if line[0] == "torchrun" else line[0]

@@ -12,17 +12,21 @@ From a torch.profiler chrome trace (profile.py writes one per rank), inside the 
                rank waiting for a slower one, Python between ops)
 
 so that step = compute + exposed + idle. "Communication exposed" is the figure to shrink: what
-overlap buys is moving comm from exposed to hidden. On a GPU the same split is made from kernel
-lanes (compute kernels vs NCCL kernels on their streams), which this module does not implement
-yet: it reads host ranges, which is what a CPU run does; on a GPU its numbers describe the host
-thread (launches), not the device. Read GPU traces in Perfetto or Nsight Systems.
+overlap buys is moving comm from exposed to hidden.
+
+On a GPU (a trace with CUDA kernels) host ranges time launches, not work, so the same cut is made
+on the device's clock instead (`device_cut`): the step's kernels are those the host launched
+inside `ProfilerStep#N` (cudaLaunchKernel's correlation id names its kernel); compute = the non-
+NCCL kernels, comm = the NCCL kernels (ncclDevKernel_...), and the window runs from the step's
+start to the end of its last kernel. nsys_sqlite.py makes the same cut (`cut`) from an Nsight
+Systems report.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtl.profile import Span, merge, parse_trace
+from dtl.profile import Span, gpu_side, is_nccl_kernel, merge, parse_trace
 
 Intervals = list[tuple[float, float]]
 
@@ -71,6 +75,7 @@ class Breakdown:
     exposed_ms: float
     idle_ms: float
     lanes: dict  # name -> intervals, relative to the step's start (for the timeline)
+    clock: str = "host"  # "host": host ranges (a CPU run); "device": GPU kernels
 
     @property
     def comm_ms(self) -> float:
@@ -87,8 +92,9 @@ class Breakdown:
 
     def line(self) -> str:
         f = self.step_ms / 100
+        clock = " (device clock: kernels)" if self.clock == "device" else ""
         return (
-            f"step {self.step_ms:.1f} ms: compute {self.compute_ms / f:.0f}%, comm exposed "
+            f"step {self.step_ms:.1f} ms{clock}: compute {self.compute_ms / f:.0f}%, comm exposed "
             f"{self.exposed_ms / f:.0f}%, idle {self.idle_ms / f:.0f}%; comm hidden "
             f"{self.hidden_ms:.1f} of {self.comm_ms:.1f} ms ({self.hidden_share:.0%})"
         )
@@ -101,15 +107,37 @@ def _step_window(spans: list[Span]) -> tuple[float, float]:
     return min(s.start_ms for s in spans), max(s.end_ms for s in spans)
 
 
+def cut(window: tuple[float, float], compute: Intervals, comm: Intervals, clock="host"):
+    """The step [lo, hi] cut into compute, comm hidden (comm ∩ compute), comm exposed (comm −
+    compute) and idle (neither): one definition for host ranges, kernels and Nsight reports."""
+    lo, hi = window
+    clip = [(lo, hi)]
+    compute, comm = intersect(compute, clip), intersect(comm, clip)
+    hidden = intersect(comm, compute)
+    exposed = subtract(comm, compute)
+    idle = subtract(clip, compute + comm)
+    rel = {
+        name: [(s - lo, e - lo) for s, e in merge(v)]
+        for name, v in dict(compute=compute, hidden=hidden, exposed=exposed, idle=idle).items()
+    }
+    parts = total(compute), total(hidden), total(exposed), total(idle)
+    return Breakdown(hi - lo, *parts, rel, clock)
+
+
 def breakdown(path: str) -> Breakdown:
-    spans = parse_trace(path)
+    """One rank's traced step: on the device's clock when the trace has CUDA kernels, else from
+    host ranges (a CPU run)."""
+    kernels, on_gpu = gpu_side(path)
+    # host spans only: a CUDA trace repeats ProfilerStep#N and every range on the GPU's lanes
+    spans = [s for s in parse_trace(path) if (s.name, s.start_ms) not in on_gpu]
     lo, hi = _step_window(spans)
+    if kernels:
+        return device_cut(kernels, lo, hi)
     inside = [s for s in spans if s.start_ms < hi and s.end_ms > lo]
     # the threads that run the model: the ones with aten ops (gloo's worker threads have none;
     # gloo's p2p work, though, is recorded on the calling thread, from post to completion)
     model_threads = {s.tid for s in inside if s.name.startswith("aten::")}
-    clip = [(lo, hi)]
-    comm = intersect([(s.start_ms, s.end_ms) for s in inside if s.phase == "work"], clip)
+    comm = [(s.start_ms, s.end_ms) for s in inside if s.phase == "work"]
     calls = [(s.start_ms, s.end_ms) for s in inside if s.phase == "call"]
     ops = [
         (s.start_ms, s.end_ms)
@@ -118,15 +146,22 @@ def breakdown(path: str) -> Breakdown:
         and s.phase is None
         and s.name.startswith(("aten::", "autograd::"))
     ]
-    compute = intersect(subtract(ops, calls), clip)
-    hidden = intersect(comm, compute)
-    exposed = subtract(comm, compute)
-    idle = subtract(clip, compute + comm)
-    rel = {
-        name: [(s - lo, e - lo) for s, e in merge(v)]
-        for name, v in dict(compute=compute, hidden=hidden, exposed=exposed, idle=idle).items()
-    }
-    return Breakdown(hi - lo, total(compute), total(hidden), total(exposed), total(idle), rel)
+    return cut((lo, hi), subtract(ops, calls), comm)
+
+
+def device_cut(kernels: list, lo: float, hi: float) -> Breakdown:
+    """The step's kernels on the GPU's clock: those launched inside the host window [lo, hi]
+    (a kernel with no launch in the trace: by its own start). NCCL kernels are comm, every other
+    kernel compute; the window ends when the step's last kernel does (the device runs behind)."""
+    mine = [
+        (start, end, name)
+        for start, end, name, launch in kernels
+        if lo <= (start if launch is None else launch) <= hi
+    ]
+    end = max([hi, *(e for _, e, _ in mine)])
+    comm = [(s, e) for s, e, name in mine if is_nccl_kernel(name)]
+    compute = [(s, e) for s, e, name in mine if not is_nccl_kernel(name)]
+    return cut((lo, end), compute, comm, clock="device")
 
 
 def plot(breakdowns: dict[str, Breakdown], path: str, title: str) -> None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from day28_gpt125m.recipe import Recipe, autocast, make_adamw
 from day28_gpt125m.strategy import REGISTRY, Strategy, register
+from dtl import profile as dtl_profile
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
@@ -88,15 +89,17 @@ class TorchData(Strategy):
             # no gradient sync before the last micro-batch, for its forward too (DDP decides
             # in forward whether this backward all-reduces: karpathy/build-nanogpt PR #30)
             with self.sync_off() if i < k - 1 else contextlib.nullcontext():
-                with autocast(self.r, self.device):
+                with dtl_profile.range(dtl_profile.FORWARD), autocast(self.r, self.device):
                     loss = loss_fn(self.model(x), y) / k
-                loss.backward()
+                with dtl_profile.range(dtl_profile.BACKWARD):
+                    loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), self.r.clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of the global norm
             norm = norm.full_tensor()
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        with dtl_profile.range(dtl_profile.OPTIMIZER):
+            self.optimizer.step()
         if self.measure_state:
             # an FSDP2 parameter counts its local shard only: what is in this rank's memory;
             # AdamW's 4-byte step counters are no per-parameter state (the formula's 16 Ψ)
@@ -211,11 +214,14 @@ class DeepSpeedZero(Strategy):
         set_lr(self.engine.optimizer, lr)
         total, last = 0.0, len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
-            loss = loss_fn(self.engine(x), y)
-            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            with dtl_profile.range(dtl_profile.FORWARD):
+                loss = loss_fn(self.engine(x), y)
+            with dtl_profile.range(dtl_profile.BACKWARD):
+                self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             if i == last and self.measure_state:  # before the update: grads and state both live
                 self.last_state = self.state_bytes()
-            self.engine.step()  # a no-op until the accumulation boundary
+            with dtl_profile.range(dtl_profile.OPTIMIZER):
+                self.engine.step()  # a no-op until the accumulation boundary
             total += loss.item()
         return total / len(micro_batches), float(self.engine.get_global_grad_norm())
 
@@ -320,7 +326,8 @@ class OurTPPP(Pipelined):
         s.sync_gradients(self.stack)
         norm = s.clip_gradients(self.stack, self.r.clip or None)
         set_lr(self.stack.optimizer, lr)
-        self.stack.optimizer.step()
+        with dtl_profile.range(dtl_profile.OPTIMIZER):
+            self.stack.optimizer.step()
         if self.measure_state:
             self.last_state = self.stack_mod.stack_state_bytes(self.stack)
         self.stack.optimizer.zero_grad(set_to_none=True)

@@ -51,6 +51,7 @@ from day28_gpt125m.strategies import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import profile as dtl_profile
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
@@ -248,8 +249,9 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         waits.append(time.perf_counter() - t_wait)  # the step was ready, or it waited for data
         strategy.measure_state = step == (cfg.stop_at or cfg.steps) - 1  # state bytes: last step
         t0 = time.perf_counter()
-        loss, norm = strategy.step(split_micro_batches(x, y, cfg.micro_batch_size, info.device),
-                                   lr_at(step, r))  # fmt: skip
+        micro_batches = split_micro_batches(x, y, cfg.micro_batch_size, info.device)
+        with dtl_profile.range(dtl_profile.STEP):  # named ranges inside: see dtl.profile
+            loss, norm = strategy.step(micro_batches, lr_at(step, r))
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         times.append(time.perf_counter() - t0)

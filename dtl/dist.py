@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtl import profile
 from dtl.flat import FlatBuffer
 
 DEFAULT_TIMEOUT_S = 120  # a desync fails in two minutes instead of NCCL's default 10 (gloo: 30)
@@ -212,7 +213,8 @@ def average_gradients(params, group=None) -> int:
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = FlatBuffer.of(same)  # (sum of numels,): one bucket
-        dist.all_reduce(flat.data, group=group)
+        with profile.range(profile.comm_name("all_reduce", "dp grads")):
+            dist.all_reduce(flat.data, group=group)
         flat.data /= n
         flat.copy_to(same)
         sent += flat.data.numel() * flat.data.element_size()

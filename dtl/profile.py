@@ -16,18 +16,38 @@ shows `c10d::_reduce_scatter_base_` then `gloo:all_reduce`), a lesson in itself.
 `parse_trace` turns a trace into `Span`s with a `kind` (all_reduce, all_gather, reduce_scatter,
 all_to_all, broadcast, reduce, send, recv, barrier; None for compute) and a `phase`.
 
+Named ranges. `range("forward")` marks a region by name for every profiler at once: a
+`record_function` range in a torch.profiler trace (only while a profiler records: ~0.1 us
+otherwise) and, where CUDA is, an NVTX range that Nsight Systems draws over the kernels the
+region launched. The lessons mark their steps with the names below, so one name finds the same
+region in a CPU trace, in an Nsight Systems report and in day 27's analysis:
+    step                        one optimizer step of the training loop
+    forward, backward           the model's forward (with the loss) and backward
+    optimizer.step              the optimizer's update
+    <collective> <what>         a hand-written collective: `all_reduce bucket 3` (day 17),
+                                `reduce_scatter bucket 1`, `all_gather unit 2` (day 18),
+                                `all_reduce tied embedding` (day 20); `wait <collective> ...`
+                                where the program blocks on an async one
+    F3, B3, I3, W3 (F3.1)       a pipeline action: forward, backward, input-grad, weight-grad of
+                                micro-batch 3 (on model chunk 1), day 20's schedule names
+    send F3, recv B3            the p2p message an action posts or waits for (day 20)
+    capture                     the step day 27's profile.py hands to Nsight Systems
+Names are stable: tests and day 27's analysis look them up.
+
 StepTimes. One step's breakdown; `dtl.metrics.StepLogger.log(step, times=...)` writes it to
 TensorBoard under `time/...` so every day's timings land beside loss and throughput.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ContextDecorator, contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -53,7 +73,7 @@ class Timer:
     @contextmanager
     def __call__(self, name: str):
         if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:
                 yield
@@ -148,6 +168,76 @@ def quiet_native_stderr():
         os.close(saved)
 
 
+# --- named ranges ----------------------------------------------------------------------------
+
+STEP, FORWARD, BACKWARD, OPTIMIZER = "step", "forward", "backward", "optimizer.step"
+CAPTURE = "capture"  # day 27: the one step handed to Nsight Systems (cudaProfilerStart/Stop)
+_STEP_WATCHERS: list = []  # fn(entering: bool), called around every `step` range (watch_steps)
+
+
+def watch_steps(fn):
+    """Call fn(True) as each `step` range opens (before its own range starts) and fn(False) as
+    it closes (after its range ends): day 27 starts and stops Nsight Systems there, so the
+    capture is exactly the lesson's step. Returns the function that stops watching."""
+    _STEP_WATCHERS.append(fn)
+    return lambda: _STEP_WATCHERS.remove(fn)
+
+
+def comm_name(kind: str, what: str = "", wait: bool = False) -> str:
+    """The range name of a hand-written collective: `all_reduce bucket 3`, `wait all_gather`."""
+    return " ".join(w for w in ("wait" if wait else "", kind, what) if w)
+
+
+@functools.cache
+def nvtx_enabled() -> bool:
+    """NVTX ranges where CUDA is (DTL_NVTX=0 or 1 overrides). A CPU build of torch has no NVTX
+    (its torch.cuda.nvtx calls raise); on a GPU build with no tool attached a range costs ~1 us."""
+    forced = os.environ.get("DTL_NVTX")
+    if forced is not None:
+        return forced not in ("", "0")
+    return torch.cuda.is_available()
+
+
+class range(ContextDecorator):  # shadows the builtin here, on purpose: read dtl.profile.range
+    """A named region for every profiler: `with profile.range("forward"): ...`, or
+    `@profile.range("optimizer.step")` on a function.
+
+    record_function only while a torch profiler records (checked on entry: a profiler that starts
+    inside the region misses it), NVTX push/pop where `nvtx_enabled()`. Re-entrant: each entry
+    pushes its record on a stack; as a decorator each call gets a fresh range."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._open: list = []
+
+    def _recreate_cm(self):  # ContextDecorator: one range per decorated call (threads, recursion)
+        return type(self)(self.name)
+
+    def __enter__(self):
+        if self.name == STEP:
+            for fn in list(_STEP_WATCHERS):
+                fn(True)
+        record = None
+        if torch.autograd._profiler_enabled():
+            record = torch.profiler.record_function(self.name)
+            record.__enter__()
+        if nvtx_enabled():
+            torch.cuda.nvtx.range_push(self.name)
+        self._open.append(record)
+        return self
+
+    def __exit__(self, *exc):
+        record = self._open.pop()
+        if nvtx_enabled():
+            torch.cuda.nvtx.range_pop()
+        if record is not None:
+            record.__exit__(*exc)
+        if self.name == STEP:
+            for fn in list(_STEP_WATCHERS):
+                fn(False)
+        return False
+
+
 # --- traces ----------------------------------------------------------------------------------
 
 # the collective a trace event name stands for; checked in order, first match wins
@@ -165,6 +255,12 @@ _KIND_PATTERNS = [
 ]
 _CALL = re.compile(r"^c10d::")
 _WORK = re.compile(r"^(gloo|nccl):|^nccl(Dev)?Kernel_", re.I)
+_NCCL_KERNEL = re.compile(r"^(void\s+)?nccl(Dev)?Kernel", re.I)
+
+
+def is_nccl_kernel(name: str) -> bool:
+    """A GPU kernel that NCCL launched (ncclKernel_..., ncclDevKernel_...): communication."""
+    return bool(_NCCL_KERNEL.match(name))
 
 
 def comm_kind(name: str) -> tuple[str | None, str | None]:
@@ -204,6 +300,41 @@ def parse_trace(path: str) -> list[Span]:
         start = (e["ts"] - t0) / 1e3
         spans.append(Span(e["name"], start, start + e["dur"] / 1e3, e.get("tid"), kind, phase))
     return sorted(spans, key=lambda s: s.start_ms)
+
+
+# Kineto's categories: what ran on the GPU (kernels, copies, and every record_function range
+# repeated over the kernels it queued), and the host calls (cudaLaunchKernel, cuLaunchKernel)
+# whose "correlation" id names the kernel they launched
+KERNEL_CATEGORY = "kernel"
+DEVICE_CATEGORIES = (KERNEL_CATEGORY, "gpu_user_annotation", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime")
+
+
+def gpu_side(path: str) -> tuple[list[tuple[float, float, str, float | None]], set]:
+    """A chrome trace's GPU side, on the clock of parse_trace (ms, 0 = the trace's first
+    complete event): every kernel as (start, end, name, launch), launch = when the host called
+    cudaLaunchKernel for it (None when the trace has no such call); and (name, start) of every
+    event that ran on the GPU, to tell them from the host's. Both empty for a CPU-only trace."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    if not events:
+        return [], set()
+    t0 = min(e["ts"] for e in events)  # parse_trace's origin: one clock for both
+
+    def ms(ts: float) -> float:
+        return (ts - t0) / 1e3
+
+    launched, kernels, device = {}, [], set()
+    for e in events:
+        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
+        if cat in LAUNCH_CATEGORIES and "correlation" in args:
+            launched[args["correlation"]] = ms(e["ts"])
+        if cat in DEVICE_CATEGORIES:
+            device.add((e["name"], ms(e["ts"])))
+        if cat == KERNEL_CATEGORY:
+            kernels.append((e, args.get("correlation")))
+    spans = [(ms(e["ts"]), ms(e["ts"] + e["dur"]), e["name"], launched.get(c)) for e, c in kernels]
+    return spans, device
 
 
 def comm_spans(spans: list[Span], phase: str = "work", kind: str | None = None) -> list[Span]:

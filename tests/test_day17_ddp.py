@@ -446,7 +446,7 @@ def _synthetic_step(tmp_path, events) -> str:
         _x(observe.STEP_MARK, 1000, 9000, tid=1, cat="user_annotation"),
         _x("forward", 1000, 2000, tid=1, cat="user_annotation"),
         _x("backward", 3000, 5000, tid=1, cat="user_annotation"),
-        _x("optimizer", 8000, 1000, tid=1, cat="user_annotation"),
+        _x(observe.OPT_MARK, 8000, 1000, tid=1, cat="user_annotation"),
     ]
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": marks + events}))

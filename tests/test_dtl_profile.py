@@ -125,3 +125,87 @@ def test_quiet_native_stderr_silences_fd_2_only_inside_the_block(capfd):
     os.write(2, b"after\n")
     err = capfd.readouterr().err
     assert "USDT" not in err and "after" in err
+
+
+# --- named ranges ------------------------------------------------------------------------------
+
+
+def test_a_named_range_is_a_record_function_in_a_cpu_trace_and_a_decorator_too(tmp_path):
+    @prof.range(prof.OPTIMIZER)
+    def update():
+        torch.ones(4).add_(1)
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        with prof.range(prof.FORWARD):
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+        update()
+        update()  # a fresh range per call
+    path = tmp_path / "trace.json"
+    p.export_chrome_trace(str(path))
+    spans = prof.parse_trace(str(path))
+    forward = [s for s in spans if s.name == prof.FORWARD]
+    assert len(forward) == 1 and [s.name for s in spans].count(prof.OPTIMIZER) == 2
+    mm = next(s for s in spans if s.name == "aten::mm")  # the op lies inside its range
+    assert forward[0].start_ms <= mm.start_ms and mm.end_ms <= forward[0].end_ms
+
+
+def test_a_named_range_enters_no_record_function_without_a_profiler(monkeypatch):
+    """Without a profiler a range is a flag check (~0.5 us here): no record_function made."""
+
+    def refuse(name):
+        raise AssertionError(f"record_function({name!r}) without a profiler")
+
+    monkeypatch.setattr(torch.profiler, "record_function", refuse)
+    with prof.range(prof.STEP):
+        pass
+
+
+def test_a_named_range_pushes_and_pops_nvtx_where_cuda_is(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prof, "nvtx_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    with prof.range(prof.comm_name("all_reduce", "bucket 3")):
+        with prof.range(prof.comm_name("all_reduce", wait=True)):
+            pass
+    assert calls == [
+        ("push", "all_reduce bucket 3"),
+        ("push", "wait all_reduce"),
+        ("pop",),
+        ("pop",),
+    ]
+
+
+def test_nvtx_follows_cuda_and_dtl_nvtx_overrides(monkeypatch):
+    for forced, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("DTL_NVTX", forced)
+        prof.nvtx_enabled.cache_clear()
+        assert prof.nvtx_enabled() is want
+    monkeypatch.delenv("DTL_NVTX")
+    prof.nvtx_enabled.cache_clear()
+    assert prof.nvtx_enabled() is torch.cuda.is_available()  # a CPU build: no NVTX, no error
+    with prof.range(prof.STEP):
+        pass
+
+
+def test_step_watchers_see_every_step_range_open_and_close_outside_it():
+    seen = []
+    stop = prof.watch_steps(lambda entering: seen.append(("watch", entering)))
+    try:
+        with prof.range(prof.STEP):
+            seen.append("body")
+        with prof.range(prof.FORWARD):  # not a step: not watched
+            pass
+    finally:
+        stop()
+    with prof.range(prof.STEP):
+        pass
+    assert seen == [("watch", True), "body", ("watch", False)]
+
+
+def test_nccl_kernels_are_told_from_compute_kernels():
+    assert prof.is_nccl_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL")
+    assert prof.is_nccl_kernel("ncclKernel_Broadcast_RING_LL_Sum_int8_t")
+    assert prof.is_nccl_kernel("void ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)")
+    assert not prof.is_nccl_kernel("ampere_sgemm_128x64_nn")
+    assert not prof.is_nccl_kernel("void at::native::vectorized_elementwise_kernel<4>")
