@@ -161,11 +161,7 @@ class DeepSpeedZero(Strategy):
     stage = 0
     precisions = ("fp32", "bf16")  # DeepSpeed's bf16 section (fp16's loss scaler: not wired)
     suggested_when_short = True
-    no_recompute = (
-        "--recompute is not wired for DeepSpeed here (its own deepspeed.checkpointing, or "
-        "torch's checkpoint under ZeRO-3's parameter hooks: neither tested); use ddp, fsdp2, "
-        "tp_pp or tp_sp"
-    )
+    no_recompute = "--recompute is not wired for DeepSpeed here (untested); use ddp, fsdp2, tp_pp"
 
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
@@ -374,10 +370,7 @@ class Megatron(Pipelined):
     name = "megatron"
     distributed_optimizer = True  # its DistributedOptimizer: Adam's m and v sharded over dp
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
-    no_recompute = (
-        "--recompute is not wired for megatron here (megatron-core has its own: "
-        "TransformerConfig.recompute_granularity); use tp_pp or tp_sp"
-    )
+    no_recompute = "--recompute is not wired for megatron (its recompute_granularity); use tp_pp"
 
     def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *,
                  micro_batch: int, seq_len: int, seed: int, steps: int, **_):  # fmt: skip
