@@ -42,11 +42,22 @@ class Config:
     part: Literal["bubble", "small"] = "bubble"
     t_f_ms: float = 40.0  # bubble: a forward's cost; I and W cost the same, B twice
     microbatches: int = 8  # m
+    pps: str = "2,4"  # bubble: pipeline sizes measured (each must divide the world size)
     steps: int = 2  # steps per schedule (the last one is measured)
     model: PresetName = "small"  # part=small: GPT preset
     seq_len: int = 64  # part=small: tokens per sequence
     micro_batch_size: int = 2  # sequences per micro-batch
     out_dir: str = "outputs/day20_pp/bench"  # config.json
+
+    def validate(self) -> None:
+        try:
+            sizes = [int(p) for p in self.pps.split(",")]
+        except ValueError:
+            raise dtl_config.ConfigError(
+                f"pps must be comma-separated integers, got {self.pps!r}"
+            ) from None
+        if min(sizes) < 2:
+            raise dtl_config.ConfigError(f"a pipeline has >= 2 stages, got pps={self.pps!r}")
 
 
 class _Path(torch.autograd.Function):
@@ -129,7 +140,7 @@ def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
 
 def run_bubble(cfg: Config, info) -> list[dict]:
     rows = []
-    for p in (2, 4):
+    for p in map(int, cfg.pps.split(",")):
         if info.world_size % p:
             continue
         for name, v in RUNS:

@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Annotated
 
 from day27_profiling import nsys_sqlite
 from day27_profiling.profile import wrapped_line
@@ -74,7 +75,7 @@ class Config:
     # ... and its run (not --run: torchrun's parser would take it for its own --run-path)
     run_name: str = "train-bucket"
     args: str = "--profile_step=-1"  # appended to its line (day 17: its own torch.profiler off)
-    active_step: int = 2  # optimizer steps run before the captured one
+    active_step: Annotated[int, dtl_config.NON_NEGATIVE] = 2  # steps run before the captured one
     out_dir: str = "outputs/day27_profiling/nsys"  # rank<R>.nsys-rep and rank<R>.sqlite
     nsys: str = "nsys"  # the Nsight Systems CLI: a name on PATH or a path
 

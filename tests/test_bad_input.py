@@ -173,6 +173,12 @@ CASES = {
         (["--lesson=20", "--run=nope"], "day 20 has no run 'nope'"),
         (["--lesson=20"], "day 20 has no run ''"),
     ],
+    "day27_profiling.nsys": [  # (run here as rank of 4: the world-size check is one case)
+        ([], "nsys.py runs as one process (--nproc_per_node=1)"),
+        (["--lesson=abc"], "'lesson'"),
+        (["--active_step=-1"], "'active_step' must be an integer >= 0"),
+        (["--bogus=1"], "unknown config key 'bogus'"),
+    ],
     "day28_gpt125m.train": [
         (["--data=/nonexistent.txt"], "data file not found: /nonexistent.txt"),  # once rank 0's
         (["--workers=-1"], "'workers' must be an integer >= 0"),

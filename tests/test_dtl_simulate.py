@@ -50,7 +50,7 @@ def test_simulated_zero_and_fsdp2_hold_and_send_what_a_real_gloo_run_does(world)
         assert got == real[engine, precision], (engine, precision, got, real[engine, precision])
 
 
-@pytest.mark.parametrize("world", [64, 1024])  # the launch line smoke-runs 8 and 64
+@pytest.mark.parametrize("world", [256])  # 8 and 64: the launch line (0 B); 1,024: its full run
 def test_simulated_zero_and_fsdp2_at_scale_equal_the_padded_formulas(world):
     for engine, precision in CASES:
         impl, stage = scale.ENGINES[engine]
