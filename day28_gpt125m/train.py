@@ -57,7 +57,7 @@ from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
 from dtl.precision import PrecisionName
-from dtl.reference import Verdict, one_process_gpt, reference_verdict
+from dtl.reference import ADAM_NORM_RTOL, Verdict, one_process_gpt, reference_verdict
 
 
 @dataclass
@@ -314,7 +314,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         verdict = reference_verdict(
             result["losses"], result["full"], lambda: reference(cfg, result["train"]),
             steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",
-            grad_norms=result["norms"],
+            grad_norms=result["norms"], norm_rtol=ADAM_NORM_RTOL,  # dtl.reference says why
         )  # fmt: skip
     dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
     if info.is_main:  # what compare.py reads beside its predictions
