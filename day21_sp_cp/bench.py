@@ -245,7 +245,9 @@ def _plot_ring(cfg, results) -> None:
 # --- part memory --------------------------------------------------------------------------------
 
 
-def _layer_bytes(layout: str, s: int, grid_tp, grid_cp, b: int = 1) -> int:
+def _one_layer(layout: str, s: int, grid_tp, grid_cp) -> tuple[GPT, int]:
+    """A one-layer GPT-2-width model laid out as `layout` on this rank, and the tokens of a
+    length-s sequence its layer holds (s, or s/t under SP, s/cp under CP)."""
     cfg = preset("gpt2-124m", n_layer=1, block_size=s, vocab_size=256)
     gpt = GPT(cfg, seed=0)
     tokens = s
@@ -257,10 +259,21 @@ def _layer_bytes(layout: str, s: int, grid_tp, grid_cp, b: int = 1) -> int:
     if layout in ("ring", "ulysses"):
         apply_cp(gpt, grid_cp, "ring_zigzag" if layout == "ring" else "ulysses")
         tokens = s // grid_cp.cp_size
+    return gpt, tokens
+
+
+def _block_bytes(gpt: GPT, tokens: int, b: int = 1) -> int:
+    """Bytes block 0 saves for backward on a (b, tokens, C) input in the model's dtype."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(b, tokens, cfg.n_embd, generator=g)  # host: this bench is CPU-only (gloo)
+    x = torch.randn(b, tokens, gpt.cfg.n_embd, generator=g)  # host: this bench is CPU-only
+    x = x.to(next(gpt.parameters()).dtype)
     got, _ = saved_activation_bytes(gpt.blocks["0"], x.requires_grad_())
     return got
+
+
+def _layer_bytes(layout: str, s: int, grid_tp, grid_cp, b: int = 1) -> int:
+    gpt, tokens = _one_layer(layout, s, grid_tp, grid_cp)
+    return _block_bytes(gpt, tokens, b)
 
 
 def _predicted(layout: str, s: int, n: int, b: int = 1) -> float:
@@ -350,21 +363,10 @@ def _recompute_layer_bytes(
     layout: str, attention: str, mode: str, s: int, grid: ParallelGrid
 ) -> int:
     """Bytes block 0 of a one-layer GPT-2-width model (bf16) saves for backward on this rank."""
-    cfg = preset("gpt2-124m", n_layer=1, block_size=s, vocab_size=256)
-    gpt = GPT(cfg, seed=0)
-    tokens = s
-    if layout in ("tp", "tp_sp"):
-        apply_tp(gpt, grid)
-    if layout == "tp_sp":
-        apply_sp(gpt)
-        tokens = s // grid.tp_size
+    gpt, tokens = _one_layer(layout, s, grid, None)  # no CP layout here
     gpt.set_attention(ATTENTIONS[attention])
     gpt.set_recompute(mode)
-    gpt = gpt.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, tokens, cfg.n_embd, generator=g).to(torch.bfloat16)  # host: CPU-only
-    got, _ = saved_activation_bytes(gpt.blocks["0"], x.requires_grad_())
-    return got
+    return _block_bytes(gpt.to(torch.bfloat16), tokens)
 
 
 def _recompute_formula(layout: str, attention: str, mode: str, s: int, t: int) -> float:
