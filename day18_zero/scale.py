@@ -57,12 +57,7 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in MODELS]
         if unknown:
             raise err(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
-        try:
-            ns = [int(v) for v in self.ns.split(",")]
-        except ValueError:
-            raise err("ns must be comma-separated integers") from None
-        if min(ns) < 1:
-            raise err(f"ns out of range: {self.ns!r}")
+        dtl_config.int_list("ns", self.ns)
         unknown = [e for e in self.engines.split(",") if e not in ENGINES]
         if unknown:
             raise err(f"unknown engine(s) {unknown}; {', '.join(ENGINES)}")

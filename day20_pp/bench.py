@@ -50,14 +50,7 @@ class Config:
     out_dir: str = "outputs/day20_pp/bench"  # config.json
 
     def validate(self) -> None:
-        try:
-            sizes = [int(p) for p in self.pps.split(",")]
-        except ValueError:
-            raise dtl_config.ConfigError(
-                f"pps must be comma-separated integers, got {self.pps!r}"
-            ) from None
-        if min(sizes) < 2:
-            raise dtl_config.ConfigError(f"a pipeline has >= 2 stages, got pps={self.pps!r}")
+        dtl_config.int_list("pps", self.pps, minimum=2)  # a pipeline has >= 2 stages
 
 
 class _Path(torch.autograd.Function):

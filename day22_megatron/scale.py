@@ -69,12 +69,7 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in plan.MODELS]
         if unknown:
             raise err(f"unknown model(s) {unknown}; {', '.join(plan.MODELS)}")
-        try:
-            sizes = [int(g) for g in self.gpus.split(",")]
-        except ValueError:
-            raise err(f"gpus must be comma-separated integers, got {self.gpus!r}") from None
-        if min(sizes) < 1:
-            raise err(f"gpus must be >= 1, got {self.gpus!r}")
+        sizes = dtl_config.int_list("gpus", self.gpus)
         for name in self.models.split(","):  # plan.py's formulas: milliseconds
             for gpus in sizes:
                 if plan.plan_for(plan.Config(), name, gpus)[2] is None:

@@ -59,14 +59,7 @@ class Config:
     out_dir: str = "outputs/day23_zero3_offload/scale"  # scale.csv
 
     def validate(self) -> None:
-        try:
-            sizes = [int(n) for n in self.ns.split(",")]
-        except ValueError:
-            raise dtl_config.ConfigError(
-                f"ns must be comma-separated integers, got {self.ns!r}"
-            ) from None
-        if min(sizes) < 1:
-            raise dtl_config.ConfigError(f"ns must be >= 1, got {self.ns!r}")
+        dtl_config.int_list("ns", self.ns)
 
 
 def ds_config(template: str, world: int) -> dict:

@@ -68,14 +68,7 @@ class Config(ClusterConfig):  # + the cluster and step-model fields (day 22's Cl
         if unknown:
             raise dtl_config.ConfigError(f"unknown model(s) {unknown}; {', '.join(MODELS)}")
         for key in ("gpus", "plot_gpus"):
-            try:
-                sizes = _sizes(getattr(self, key))
-            except ValueError:
-                raise dtl_config.ConfigError(
-                    f"{key} must be integers, got {getattr(self, key)!r}"
-                ) from None
-            if min(sizes) < 1:
-                raise dtl_config.ConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+            sizes = dtl_config.int_list(key, getattr(self, key))
             for name in self.models.split(","):  # ZeRO-3's DP spans every GPU
                 sequences = BATCH[name][0] // MODELS[name].block_size
                 bad = [n for n in sizes if sequences % n]

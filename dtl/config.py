@@ -45,6 +45,18 @@ class ConfigError(ValueError):
     """Bad config input; the message is one line, fit for the user."""
 
 
+def int_list(key: str, value: str, minimum: int = 1) -> list[int]:
+    """A field holding comma-separated integers ("8,64"), each >= minimum: the list, or a
+    ConfigError naming the field (`validate` methods call it)."""
+    try:
+        sizes = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ConfigError(f"{key} must be comma-separated integers, got {value!r}") from None
+    if min(sizes) < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value!r}")
+    return sizes
+
+
 class HelpRequested(Exception):
     """--help was given; the message is the help text."""
 

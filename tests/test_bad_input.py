@@ -39,7 +39,7 @@ CASES = {
     ],
     "day28_gpt125m.scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
-        (["--gpus=8,x"], "gpus must be integers"),
+        (["--gpus=8,x"], "gpus must be comma-separated integers"),
         (["--gpus=0"], "gpus must be >= 1"),
         (["--gpus=7"], "[7] GPUs do not share"),
     ],
@@ -200,7 +200,7 @@ CASES = {
     ],
     "day28_gpt125m.compare": [
         (["--models=x"], "unknown model(s) ['x']"),
-        (["--gpus=abc"], "gpus must be integers"),  # once a ValueError traceback
+        (["--gpus=abc"], "gpus must be comma-separated integers"),  # once a ValueError traceback
         (["--mfu=0"], "'mfu' must be a finite number > 0 and <= 1"),
         (["--gpus_per_node=0"], "'gpus_per_node' must be an integer >= 1"),
         (["--plot_gpus=12"], "plot_gpus: [12] GPUs do not share gpt3-125m's 256 sequences"),
