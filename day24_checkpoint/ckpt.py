@@ -72,7 +72,35 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class AppState(Stateful):
+class RunState(Stateful):
+    """What every saved run holds beside its tensors: the progress, the scheduler (if any), each
+    rank's generators. AppState (a torch model) and sharded.StackState (day 22's stack) add the
+    model and optimizer; Checkpointer saves and loads either."""
+
+    def __init__(self, scheduler=None, progress: Progress | None = None, restore_rng: bool = True):
+        self.scheduler = scheduler
+        self.progress = progress or Progress()
+        self.restore_rng = restore_rng
+        self.rng_key = f"rank{_rank()}"
+        self.load_rng = True  # set False by Checkpointer.load when the world size changed
+
+    def run_state_dict(self) -> dict:
+        state = {"progress": asdict(self.progress)}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.load_rng:  # one key per rank: rank r reads back only its own generators
+            state["rng"] = {self.rng_key: rng_bytes()}
+        return state
+
+    def load_run_state_dict(self, state: dict) -> None:
+        self.progress = Progress(**state["progress"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.load_rng and self.restore_rng:
+            set_rng_bytes(state["rng"][self.rng_key])
+
+
+class AppState(RunState):
     """Everything a resumed run needs, as one DCP-saveable object."""
 
     def __init__(
@@ -83,24 +111,12 @@ class AppState(Stateful):
         progress: Progress | None = None,
         restore_rng: bool = True,
     ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.progress = progress or Progress()
-        self.restore_rng = restore_rng
-        self.rng_key = f"rank{_rank()}"
-        self.load_rng = True  # set False by Checkpointer.load when the world size changed
+        super().__init__(scheduler, progress, restore_rng)
+        self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {
-            "model": model_sd,
-            "optim": optim_sd,
-            "progress": asdict(self.progress),
-        }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.load_rng:  # one key per rank: rank r reads back only its own generators
-            state["rng"] = {self.rng_key: rng_bytes()}
-        return state
+        return {"model": model_sd, "optim": optim_sd, **self.run_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(
@@ -109,11 +125,7 @@ class AppState(Stateful):
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
-        self.progress = Progress(**state["progress"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.load_rng and self.restore_rng:
-            set_rng_bytes(state["rng"][self.rng_key])
+        self.load_run_state_dict(state)
 
 
 def run_uses_cuda() -> bool:

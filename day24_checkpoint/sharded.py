@@ -28,21 +28,18 @@ is taken between steps, when there is none) and a vocabulary padded for another 
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from day24_checkpoint.ckpt import Progress, rng_bytes, set_rng_bytes
+from day24_checkpoint.ckpt import Progress, RunState
 from dtl.model import tp_shard_of
 
 QKV = ("q", "k", "v")  # the fused c_attn's three blocks, saved apart
 
 
-class StackState(Stateful):
+class StackState(RunState):
     """A day-22 stack's parameters, AdamW state, progress and RNG as one DCP-saveable object,
     every TP shard described as a DTensor; the same interface as ckpt.AppState (Checkpointer
     saves and loads either)."""
@@ -54,10 +51,8 @@ class StackState(Stateful):
         restore_rng: bool = True,
         scheduler=None,
     ):
-        self.stack, self.progress, self.restore_rng = stack, progress or Progress(), restore_rng
-        self.scheduler = scheduler
-        self.rng_key = f"rank{dist.get_rank()}"
-        self.load_rng = True  # Checkpointer.load sets it False when the world size changed
+        super().__init__(scheduler, progress, restore_rng)  # progress, scheduler, generators
+        self.stack = stack
         grid = stack.grid
         self.mesh = (
             DeviceMesh.from_group(grid.tp_group, _device_type(stack)) if grid.tp_size > 1 else None
@@ -68,7 +63,7 @@ class StackState(Stateful):
         tied = self.stack.gpt.cfg.tie_weights
         state = self.stack.optimizer.state
         for name, p in self.stack.named.items():
-            key = "wte.weight" if tied and name == "lm_head.weight" else name
+            key = _saved_name(name, tied)
             if key != name and "wte.weight" in self.stack.named:
                 continue  # the tied head is wte itself: saved once, under wte.weight
             model.update(self._describe(key, name, p.data))
@@ -79,27 +74,18 @@ class StackState(Stateful):
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in self.stack.optimizer.param_groups
         ]
-        out = {"model": model, "optim": optim, "groups": groups, "progress": asdict(self.progress)}
-        if self.scheduler is not None:
-            out["scheduler"] = self.scheduler.state_dict()
-        if self.load_rng:  # one key per rank: rank r reads back only its own generators
-            out["rng"] = {self.rng_key: rng_bytes()}
-        return out
+        return {"model": model, "optim": optim, "groups": groups, **self.run_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # DCP loaded every tensor in place, into the parameters' and moments' own memory;
         # what is left: the scalars, the progress and the generators
         tied = self.stack.gpt.cfg.tie_weights
         for name, p in self.stack.named.items():
-            key = "wte.weight" if tied and name == "lm_head.weight" else name
+            key = _saved_name(name, tied)
             self.stack.optimizer.state[p]["step"] = state["optim"][f"{key}.step"].clone()
         for group, saved in zip(self.stack.optimizer.param_groups, state["groups"]):
             group.update(saved)  # a scheduler sets lr only at its next step: this run's lr now
-        self.progress = Progress(**state["progress"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.load_rng and self.restore_rng:
-            set_rng_bytes(state["rng"][self.rng_key])
+        self.load_run_state_dict(state)
 
     def _describe(self, key: str, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """{key: tensor} for this rank's piece of `name`: a DTensor where TP splits it."""
@@ -141,6 +127,12 @@ def full_state(app: StackState) -> dict[str, torch.Tensor]:
     pieces: list = [None] * app.stack.grid.pp_size
     dist.all_gather_object(pieces, mine, group=app.stack.grid.pp_group)
     return {k: v for piece in pieces for k, v in piece.items()}
+
+
+def _saved_name(name: str, tied: bool) -> str:
+    """The key a parameter is saved under: its one-process name, but a tied head's copy (the
+    last pipeline stage's lm_head.weight) is wte.weight."""
+    return "wte.weight" if tied and name == "lm_head.weight" else name
 
 
 def _moment(state, p: torch.Tensor, kind: str) -> torch.Tensor:
