@@ -103,14 +103,8 @@ class RunState(Stateful):
 class AppState(RunState):
     """Everything a resumed run needs, as one DCP-saveable object."""
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        scheduler=None,
-        progress: Progress | None = None,
-        restore_rng: bool = True,
-    ):
+    def __init__(self, model, optimizer, scheduler=None, progress: Progress | None = None,
+                 restore_rng: bool = True):  # fmt: skip
         super().__init__(scheduler, progress, restore_rng)
         self.model, self.optimizer = model, optimizer
 
@@ -119,12 +113,8 @@ class AppState(RunState):
         return {"model": model_sd, "optim": optim_sd, **self.run_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        sd = dict(model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, **sd)
         self.load_run_state_dict(state)
 
 
