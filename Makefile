@@ -1,5 +1,6 @@
 # make tour       run every lesson's launch line and print one table (the course's main job)
 # make test       the test suite: every parallel implementation against a single process, on gloo
+# make test DAY=19  one day's tests, its launch lines and its bad-input checks (minutes, not 20)
 # make gpu-check  the GPU check: the most valuable GPU lines first, inside BUDGET_S seconds
 # make gpu-all    every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
 # make lint       ruff
@@ -26,6 +27,9 @@ WHEELS  ?=
 EXTRAS  ?= dev,deepspeed,megatron
 VENV_FLAGS ?=
 PYTEST_ARGS ?=
+DAY ?=
+DAY_TESTS = $(if $(DAY),$(wildcard tests/test_day$(DAY)_*.py) tests/test_lessons.py \
+	tests/test_bad_input.py tests/test_notes_shape.py -k day$(DAY))
 BUDGET_S ?= 480
 
 export OMP_NUM_THREADS ?= 1
@@ -53,7 +57,7 @@ tour: $(STAMP)
 
 # a missing Python extra (deepspeed, megatron) fails the suite here instead of skipping it
 test: $(STAMP)
-	DTL_REQUIRE_EXTRAS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	DTL_REQUIRE_EXTRAS=1 $(PY) -m pytest $(DAY_TESTS) $(PYTEST_ARGS)
 
 gpu-check: $(STAMP)
 	$(PY) -m dtl.tour --gpu-check --budget_s=$(BUDGET_S)
@@ -76,7 +80,7 @@ figures: $(STAMP)
 	$(PY) tools/figures.py
 
 readme: $(STAMP)
-	$(PY) -m dtl.registry --write-readme
+	$(PY) -m dtl.course_map --write
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -1,7 +1,8 @@
 """The lesson registry: `lessons.toml` is the one place launch lines are written.
 
-The README's lesson table (`python -m dtl.registry --write-readme`), the tour (`python -m dtl.tour`)
-and `tests/test_lessons.py` all read it, so a documented launch line is a tested launch line.
+The README's map and docs/lessons.md (`python -m dtl.course_map --write`), the tour
+(`python -m dtl.tour`) and `tests/test_lessons.py` all read it, so a documented launch line is a
+tested launch line.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ from dtl import script_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGISTRY = os.path.join(REPO_ROOT, "lessons.toml")
-README = os.path.join(REPO_ROOT, "README.md")
-TABLE_BEGIN, TABLE_END = "<!-- lessons:begin -->", "<!-- lessons:end -->"
 KINDS = ("lesson", "benchmark")
+IDEA_CHARS = 80  # a day's idea is one short line of the README's map
 # A run that cannot run here (a GPU-only lesson on a CPU box) prints one line starting with this
 # and exits 0: the tour and the tests then show SKIP with its reason, never PASS.
 SKIP_PREFIX = "skipped:"
 # the overrides a lesson line's smoke_args may make: how much it computes, never what
 SIZE_KEYS = (
     "model", "seq_len", "steps", "epochs", "reps", "iters", "micro_batch_size", "vocab_size",
-    "max_bytes", "models", "fit_budget_gb", "seqs",
+    "max_bytes", "models", "fit_budget_gb", "seqs", "train_iters",
 )  # fmt: skip
 
 
@@ -85,10 +85,13 @@ class Lesson:
     day: int
     package: str
     title: str
+    idea: str  # the day in one line, for the README's map
     proves: str
     runs: list[Run] = field(default_factory=list)
 
     def __post_init__(self):
+        if len(self.idea) > IDEA_CHARS:
+            raise ValueError(f"lessons.toml day {self.day}: idea is over {IDEA_CHARS} characters")
         for run in self.runs:
             for line in (run.cpu, run.gpu):
                 launched = launched_package(line)
@@ -108,27 +111,6 @@ def load(path: str = REGISTRY) -> list[Lesson]:
         runs = [Run(**r) for r in entry.pop("run")]
         lessons.append(Lesson(**entry, runs=runs))
     return sorted(lessons, key=lambda lesson: lesson.day)
-
-
-def readme_table(lessons: list[Lesson]) -> str:
-    rows = [
-        "| day | topic | CPU launch line | GPU launch line | what the run proves |",
-        "|---|---|---|---|---|",
-    ]
-    for lesson in lessons:
-        for i, run in enumerate(lesson.runs):
-            day = f"[{lesson.day}]({lesson.package}/README.md)" if i == 0 else ""
-            title = lesson.title if i == 0 else f"↳ {run.name}"
-            title += " (benchmark)" if run.kind == "benchmark" else ""
-            title += f" (runs {launched_package(run.cpu)})" if run.cross_day else ""
-            proves = lesson.proves if i == 0 else ""
-            rows.append(f"| {day} | {title} | `{run.cpu}` | `{run.gpu}` | {proves} |")
-    return "\n".join(rows)
-
-
-def render_readme(text: str, lessons: list[Lesson]) -> str:
-    pattern = re.compile(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), re.S)
-    return pattern.sub(lambda _: f"{TABLE_BEGIN}\n{readme_table(lessons)}\n{TABLE_END}", text)
 
 
 # --- running a launch line -------------------------------------------------------------------
@@ -275,21 +257,3 @@ def _stop(proc: subprocess.Popen) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
     return output or ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    lessons = load()
-    if argv == ["--write-readme"]:
-        with open(README) as f:
-            text = f.read()
-        with open(README, "w") as f:
-            f.write(render_readme(text, lessons))
-        print(f"README.md lesson table regenerated from {os.path.basename(REGISTRY)}")
-        return 0
-    print(readme_table(lessons))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,10 @@
 This is what keeps the README honest: a documented launch line is a tested launch line.
 """
 
+import glob
+import importlib
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -11,7 +14,8 @@ import time
 
 import pytest
 
-from dtl import registry, tour
+from dtl import config as dtl_config
+from dtl import course_map, registry, tour
 from dtl.script_server import run_script
 
 LESSONS = registry.load()
@@ -32,11 +36,11 @@ def test_cpu_launch_line_runs_and_prints_its_summary(lesson, run):
     assert result.summary_lines(), "a lesson run must print at least one `summary:` line"
 
 
-def test_readme_lesson_table_is_generated_from_the_registry():
-    with open(registry.README) as f:
+def test_the_list_of_launch_lines_is_generated_from_the_registry():
+    with open(course_map.LESSONS_DOC) as f:
         text = f.read()
-    assert registry.TABLE_BEGIN in text and registry.TABLE_END in text
-    assert registry.render_readme(text, LESSONS) == text, "run `make readme` to regenerate it"
+    assert course_map.TABLE_BEGIN in text and course_map.TABLE_END in text
+    assert course_map.render_lessons_doc(text, LESSONS) == text, "run `make readme`"
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=[f"day{x.day}" for x in LESSONS])
@@ -61,6 +65,7 @@ REGISTRY_ENTRY = """
 day = 17
 package = "day17_ddp"
 title = "t"
+idea = "i"
 proves = "p"
 
 [[lesson.run]]
@@ -73,12 +78,12 @@ expect = ['^summary: ']
 
 def test_a_run_outside_its_lessons_package_is_refused_unless_marked_cross_day(tmp_path):
     path = tmp_path / "lessons.toml"
-    path.write_text(REGISTRY_ENTRY)  # day 22's plan pasted under day 17, as it once was
+    path.write_text(REGISTRY_ENTRY)  # day 22's plan pasted under day 17
     with pytest.raises(ValueError, match="'plan' of day 17 launches day22_megatron, outside"):
         registry.load(str(path))
     path.write_text(REGISTRY_ENTRY + "cross_day = true\n")
     (lesson,) = registry.load(str(path))
-    assert "(runs day22_megatron)" in registry.readme_table([lesson])  # said in the README
+    assert "(runs day22_megatron)" in course_map.lessons_table([lesson])  # said in docs/
     assert registry.launched_package("torchrun --nproc_per_node=2 tests/restart_worker.py") == (
         "tests"
     )
@@ -172,3 +177,42 @@ def test_a_launch_line_that_times_out_leaves_no_workers_behind(prewarmed):
             break
         time.sleep(0.5)
     assert alive.returncode == 1, f"orphaned workers: {alive.stdout}"
+
+
+def _config_uses() -> list[tuple[str, str, list[str], int]]:
+    """(config file, module, the line's arguments, world size) for every line that passes a
+    `--config`: the registry's CPU and GPU lines and each config file's own `# Use:` line."""
+    lines = [(r.cpu, 2) for x in LESSONS for r in x.runs]
+    lines += [(r.gpu, max(8, r.min_gpus)) for x in LESSONS for r in x.runs]
+    for path in sorted(glob.glob(os.path.join(registry.REPO_ROOT, "day*", "*.toml"))):
+        with open(path) as f:
+            lines += [(line[len("# Use:") :], 2) for line in f if line.startswith("# Use:")]
+    uses = []
+    for line, gpus in lines:
+        words = shlex.split(line)
+        if "--config" not in words:
+            continue
+        args = words[words.index("-m") + 2 :]
+        module = words[words.index("-m") + 1]
+        if "--" in args and args.index("--") < args.index("--config"):  # a wrapped script's
+            module = next(a.split("=")[1] for a in args if a.startswith("--target="))
+        args = args[args.index("--") + 1 :] if "--" in args else args
+        procs = next(w.split("=")[1] for w in words if w.startswith("--nproc_per_node="))
+        uses.append(
+            (args[args.index("--config") + 1], module, args, gpus if procs == "gpu" else int(procs))
+        )
+    return uses
+
+
+def test_every_shipped_config_file_loads_into_the_script_that_names_it(tmp_path, monkeypatch):
+    uses = _config_uses()
+    shipped = {
+        os.path.relpath(p, registry.REPO_ROOT)
+        for p in glob.glob("day*/*.toml", root_dir=registry.REPO_ROOT)
+    }
+    assert shipped <= {path for path, *_ in uses}, "a config file no line or `# Use:` names"
+    monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the gpu.toml files are sized for
+    for _path, module, args, world in uses:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        config = importlib.import_module(module).Config
+        dtl_config.load(config, [*args, f"--out_dir={tmp_path}"])  # a bad key stops it here

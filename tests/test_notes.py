@@ -1,6 +1,6 @@
 """The notes cite no file the repository lacks (no processes, no torch; well under 1 s).
 
-Scanned: README.md and every day*/README.md, and for bare upper-case doc names (REFERENCES.md,
+Scanned: README.md, docs/*.md and every day*/README.md, and for bare upper-case doc names (REFERENCES.md,
 READING.md, ...) every .py, .md and .toml file too. The rules:
 - a relative markdown link resolves to a file or folder of the repository;
 - a backticked name ending in .py, .md, .toml or .json (`name`, `path/name`, `name:function`):
@@ -41,8 +41,17 @@ FOLDERS = {os.path.dirname(f) for f in FILES} | {
     os.path.join(*f.split(os.sep)[:i]) for f in FILES for i in range(1, f.count(os.sep) + 1)
 }
 TOPS = {f.split(os.sep)[0] for f in FILES}
+
+
+def _ours(path: str) -> bool:
+    """A path in this repository's folders; `docs/x.md` is ours, a deeper `docs/...` path is an
+    outside project's documentation (DeepSpeed's `docs/_pages/...`)."""
+    top = path.split("/")[0]
+    return top in TOPS | {".", ".."} and not (top == "docs" and path.count("/") > 1)
 BASENAMES = {os.path.basename(f) for f in FILES}
-NOTES = ["README.md"] + sorted(f for f in FILES if re.fullmatch(r"day\d\d_\w+/README\.md", f))
+NOTES = ["README.md"] + sorted(
+    f for f in FILES if re.fullmatch(r"day\d\d_\w+/README\.md|docs/\w+\.md", f)
+)
 CODE = "\n".join(open(os.path.join(ROOT, f)).read() for f in sorted(FILES) if f.endswith(".py"))
 
 FILE_NAME = re.compile(r"`([^`\s]*?\.(?:py|md|toml|json))(?::[\w.]+)?`")
@@ -61,7 +70,7 @@ def _exists(path: str, note_dir: str) -> bool:
 
 def _outside_paths(text: str) -> list[str]:
     names = re.findall(r"`([^`\s]+)`", text)
-    return [n.split(":")[0] for n in names if "/" in n and n.split("/")[0] not in TOPS]
+    return [n.split(":")[0] for n in names if "/" in n and not _ours(n)]
 
 
 def _problems(note: str) -> list[str]:
@@ -79,7 +88,7 @@ def _problems(note: str) -> list[str]:
             if name.startswith("-") or PLACEHOLDER.search(name):
                 continue
             if "/" in name:
-                if name.split("/")[0] in TOPS | {".", ".."} and not _exists(name, here):
+                if _ours(name) and not _exists(name, here):
                     bad.append(name)
                 continue
             if name in BASENAMES or f'"{name}"' in CODE or f"'{name}'" in CODE:
