@@ -141,6 +141,45 @@ def test_reference_verdict_judges_the_parameters_and_the_counts_not_only_the_los
     assert short.line.endswith("after 2 AdamW steps; values per run, 2 expected: losses 1)")
 
 
+def test_adams_allowance_covers_only_the_elements_whose_gradient_was_rounding_noise():
+    from dtl.reference import Reference, Verdict, _params_gaps, adam_allowance, adam_step_bound
+
+    assert adam_step_bound((0.9, 0.999)) == pytest.approx(0.1 / 0.001**0.5)  # 3.16: Kingma & Ba
+    assert adam_step_bound((0.9, 0.99)) == 1.0
+    allowance = adam_allowance({"w": torch.tensor([0, 1, 0])}, lr=1e-3)  # element 1: one step
+    assert allowance["w"].tolist() == pytest.approx([0.0, 2e-3 * adam_step_bound(), 0.0])
+    ref = Reference([1.0], {"w": torch.zeros(3)}, allowance=allowance)
+    # element 1's gradient was noise: 1.7e-4 apart is within its allowance, said apart
+    gap, noisy, noisy_gap, allowed = _params_gaps(
+        {"w": torch.tensor([5e-5, 1.7e-4, 0.0])}, ref, 1e-4
+    )
+    assert (gap, noisy, noisy_gap) == (pytest.approx(5e-5), 1, pytest.approx(1.7e-4))
+    assert allowed == pytest.approx(allowance["w"][1].item())
+    # the same difference on an element whose gradient was not noise is judged at atol
+    assert _params_gaps({"w": torch.tensor([1.7e-4, 0, 0])}, ref, 1e-4)[0] == pytest.approx(1.7e-4)
+    # a noise element beyond its allowance is beyond, by what exceeds it
+    far = _params_gaps({"w": torch.tensor([0.0, 1e-2, 0.0])}, ref, 1e-4)
+    assert far[0] == pytest.approx(1e-2 - allowed) and far[0] > 1e-4
+    v = Verdict(True, 0.0, 5e-5, 1e-5, 5, noisy=1, noisy_gap=1.7e-4, noisy_allowance=6.3e-3)
+    assert (
+        "atol 1e-4 (and 1 element whose gradient was rounding noise: up to 1.7e-04 apart, "
+        "within AdamW's bound 6.3e-03); after 5 AdamW steps" in v.line
+    )
+
+
+def test_the_reference_counts_the_steps_at_which_a_gradient_was_near_zero():
+    from dtl.reference import reference_train
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    x = torch.tensor([[1.0, 0.0], [2.0, 0.0]])  # input 1 is always 0: its weight's gradient is 0
+    batch = lambda step: (x, torch.zeros(2, 1))  # noqa: E731
+    mse = lambda m, x, y: ((m(x) - y) ** 2).mean()  # noqa: E731
+    counts: dict[str, torch.Tensor] = {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference_train(model, batch, opt, 3, mse, noise_steps=counts, noise_floor=1e-7)
+    assert counts["weight"].tolist() == [[0, 3]]
+
+
 def _norm_verdicts():
     from dtl.reference import reference_verdict
 
