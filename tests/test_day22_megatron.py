@@ -270,7 +270,7 @@ LAUNCH = os.path.join(os.path.dirname(train_megatron.__file__), "launch")
 def test_launch_scripts_pass_flags_train_megatron_accepts_for_their_gpu_count(
     script, world, monkeypatch, tmp_path
 ):
-    env = {**os.environ, "DRY_RUN": "1", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}
+    env = {**os.environ, "DRY_RUN": "1", "RDZV_HOST": "10.0.0.1"}
     line = subprocess.run(
         ["bash", os.path.join(LAUNCH, script)], capture_output=True, text=True, env=env, check=True
     ).stdout
@@ -281,6 +281,7 @@ def test_launch_scripts_pass_flags_train_megatron_accepts_for_their_gpu_count(
     nproc = int(words[words.index("--nproc_per_node") + 1])
     nnodes = int(words[words.index("--nnodes") + 1])
     assert nproc * nnodes == world
+    assert "--node_rank" not in words  # c10d numbers the nodes; torchrun ignores it there
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args = words[words.index("-m") + 2 :] + [f"--out_dir={tmp_path}"]
     cfg = dtl_config.load(train_megatron.Config, args)  # every flag known, the layout valid

@@ -272,7 +272,7 @@ LAUNCH = os.path.join(os.path.dirname(train.__file__), "launch")
     [
         ("train_2gpu.sh", {}, 2),
         ("train_8gpu.sh", {"STRATEGY": "tp_pp", "TP": "2", "PP": "2"}, 8),
-        ("train_2node.sh", {"NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, 16),
+        ("train_2node.sh", {"RDZV_HOST": "10.0.0.1"}, 16),
         ("slurm.sbatch", {"SLURM_NNODES": "2", "HEAD_NODE": "n0"}, 16),
         ("deepspeed.sh", {}, 16),
     ],
@@ -291,6 +291,7 @@ def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(script, env
         args = words[words.index("day28_gpt125m/train.py") + 1 :] + ["--local_rank=0"]
     else:
         assert "torchrun" in words and words[words.index("-m") + 1] == "day28_gpt125m.train"
+        assert "--node_rank" not in words  # c10d numbers the nodes; torchrun ignores it there
         args = words[words.index("-m") + 2 :]
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the scripts are written for

@@ -31,11 +31,12 @@ launch() {
         --nproc_per_node "$GPUS_PER_NODE"
         --nnodes "$NUM_NODES"
     )
-    if [ "$NUM_NODES" -gt 1 ]; then   # every node runs this same line with its own NODE_RANK
+    if [ "$NUM_NODES" -gt 1 ]; then   # every node runs this same line, unchanged
+        # c10d: the rendezvous hands out the node ranks (torchrun ignores --node_rank with it);
+        # its store runs in the agent on the endpoint's host, so give that host's address
         distributed_args+=(
-            --node_rank "${NODE_RANK:?set NODE_RANK (0 on the first node)}"
             --rdzv_backend c10d
-            --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR (the first node)}:${MASTER_PORT:-29500}"
+            --rdzv_endpoint "${RDZV_HOST:?set RDZV_HOST to the address of one node}:${RDZV_PORT:-29500}"
             --rdzv_id "${RDZV_ID:-day22}"
         )
     else
