@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtl.dist import run_device
+from dtl.shared_folder import require_shared_folder
 
 PREFIX, TMP, OLD, LATEST, META = "step_", ".tmp", ".old", "latest", "meta.json"
 
@@ -272,6 +273,8 @@ class Checkpointer:
     ):
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
+        # rank 0 alone commits a step every rank loads: across nodes, a folder all of them see
+        require_shared_folder(root, "checkpoint folder")
         self.root, self.keep, self.async_save = root, keep, async_save
         self.config = config or {}
         self.on_write = on_write  # a hook called after this rank's shard is written (drills)

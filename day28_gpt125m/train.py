@@ -1,6 +1,6 @@
 """Day 28: a ~125M GPT (GPT-2 124M, GPT-3 Small 125M) trained with any strategy of the course.
 
-CPU (gloo), the `tiny` model, ~10-20 s:
+CPU (gloo), the `tiny` model, ~5-10 s:
     torchrun --standalone --nproc_per_node=2 -m day28_gpt125m.train --strategy=fsdp2
     torchrun --standalone --nproc_per_node=2 -m day28_gpt125m.train --strategy=zero3
     torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=tp_pp --tp=2 --pp=2
@@ -58,6 +58,7 @@ from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
 from dtl.precision import PrecisionName
 from dtl.reference import ADAM_NORM_RTOL, Verdict, one_process_gpt, reference_verdict
+from dtl.shared_folder import require_shared_folder
 
 
 @dataclass
@@ -180,6 +181,7 @@ def prepare_data(cfg: Config):
     """The train and validation shards, written once by rank 0 from dtl.data's corpus."""
     folder = tokens_folder(cfg)
     tok = tokenizer_for(cfg.model_config().vocab_size, bpe="gpt2")
+    require_shared_folder(folder, "data folder")  # rank 0 writes, every node reads
     if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "train", shards.INDEX)):
         corpus = load_corpus(cfg.data, tokenizer=tok)
         shards.write_shards(corpus.train, os.path.join(folder, "train"))
