@@ -1,6 +1,6 @@
 """Day 15: DistributedDataParallel on the real MNIST, end to end.
 
-CPU (gloo, 2 processes, ~25 s):
+CPU (gloo, 2 processes, ~20 s):
     torchrun --standalone --nproc_per_node=2 -m day15_collectives.ddp_mnist \
         --config day15_collectives/config.toml
 GPUs (NCCL, one process per GPU):

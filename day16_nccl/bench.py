@@ -1,7 +1,7 @@
 """An nccl-tests-style sweep: built-in collectives and the hand-written all-reduces, with algbw,
 busbw, a correctness check at every size, CSV + PNG, and the alpha-beta model fitted to it.
 
-CPU (gloo), reduced sweep 4 KiB .. 64 MiB (~30 s on 2 cores):
+CPU (gloo), reduced sweep 4 KiB .. 64 MiB (~45 s for 4 ranks on 2 cores):
     torchrun --standalone --nproc_per_node=2 -m day16_nccl.bench
     torchrun --standalone --nproc_per_node=2 -m day16_nccl.bench --full    # 1 KiB .. 256 MiB
 GPUs (NCCL): force an algorithm / protocol for the built-ins (passed through to NCCL's env):

@@ -1,12 +1,12 @@
 """Day 18: train the shared GPT with ZeRO stage 0-3, by hand, with torch or with DeepSpeed.
 
-CPU (gloo), 2 processes, ~10-15 s each:
-    torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=2 --impl=hand
+CPU (gloo), 2 processes, ~10-20 s each:
+    torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=3 --impl=hand
     torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=3 --impl=deepspeed
     torchrun --standalone --nproc_per_node=2 -m day18_zero.train --stage=1 --impl=torch
     ... --precision=bf16 (hand, deepspeed) | --grad_accum=4 | --no_sync=false | --model=tiny-nobias
 GPUs (NCCL, one process per GPU):
-    torchrun --standalone --nproc_per_node=gpu -m day18_zero.train --stage=3 \
+    torchrun --standalone --nproc_per_node=gpu -m day18_zero.train --stage=3 --impl=hand \
         --config day18_zero/gpu.toml
 
 Environment: OMP_NUM_THREADS=1 (torchrun sets it when unset; 2 ranks on 2 cores need it).

@@ -18,7 +18,7 @@ parameters (the formula's max over stages, read from the right rank). Side by si
                                                   stage), the tied head's in backward (last):
                                                   a gap of 1/(4 L/p) per end; and the last
                                                   stage's vocab-parallel loss, 3 all-reduces
-                                                  of s b fp32: 3/(4 (L/p) h) more
+                                                  of s b fp32: 3/(2 (L/p) h) more
     PP / micro  bytes sent + received on the      plan: one (s, b, h) activation and one gradient
                 pipeline group per micro-batch    per boundary, 2 s b h x 2 B
     DP / step   ring bytes on the DP group        what this stack does: all-reduce of the bf16

@@ -1,5 +1,6 @@
-"""Our own 4-D stack: the earlier days' `apply_<x>` functions composed on the shared GPT, in
-torchtitan's order, over one ParallelGrid(dp, pp, cp, tp).
+"""Our own 4-D stack: the earlier days' `apply_<x>` functions composed on the shared GPT (TP,
+then SP or CP, then PP cutting the changed model into stages, then DP), over one
+ParallelGrid(dp, pp, cp, tp).
 
     stack = build_stack(cfg, grid, micro_batch_size=1, microbatches=4, seq_len=32)
     loss = forward_backward(stack, micro_batches)     # grads in the parameters, per rank

@@ -5,8 +5,9 @@ The prediction, per rank, for a model of parameters n_i, N ranks, parameter byte
 2 bf16), each partition ceil(n_i / N) elements (ZeRO-3 pads every parameter on its own), and
 the rules of DeepSpeed 0.19's stage3.py and swappers (measure.py reads the same places):
 
-    gathered     the peak of full parameters held at once (device): every non-persistent one
-                 (the reuse rule at its default; measured so at smaller distances too, _gathered)
+    gathered     the peak of full parameters held at once (device): what DeepSpeed's release
+                 (reuse distance) and prefetch (live parameters) rules leave, at most every
+                 non-persistent one; every one for the models a CPU runs (_gathered)
     params       sum ceil(n_i/N)·e        device; CPU with offload_param; NVMe with offload_param
                                            nvme for partitions of >= max(1 MiB, aio block_size)
                                            bytes (smaller ones stay in CPU memory)

@@ -26,7 +26,7 @@ Three commands, each printed before it runs:
 Why one nsys per rank rather than `nsys profile torchrun ...`: each rank's capture range is its
 own step, and each report holds one process. Why no torch.profiler: see profile.py (CUPTI takes
 one subscriber). Without a GPU run or without nsys on PATH it prints the commands and a
-`skipped:` line (exit 0): nothing here has run on a GPU yet.
+`skipped:` line (exit 0). Not run on a GPU.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ Per process, the window is its NVTX range `capture` (profile.py opens it around 
 hands to Nsight Systems; dtl.profile.CAPTURE), else the span of its kernels. Inside it, the cut of
 trace_analysis.cut on the device's clock: compute = every kernel but NCCL's, comm = the NCCL
 kernels (ncclDevKernel_..., ncclKernel_...), hidden = comm under compute, exposed = comm alone,
-idle = neither. Tested on a small database built with these columns (tests/test_day27_profiling.py),
-not yet on a report from a real GPU run.
+idle = neither. Tested on a small database built with these columns (tests/test_day27_profiling.py);
+not run on a report from a GPU.
 """
 
 from __future__ import annotations

@@ -140,9 +140,9 @@ def _attempt_store(world_size: int) -> dist.Store:
     """torchrun's store, with keys namespaced by restart attempt.
 
     After `--max-restarts` restarts the workers, they share the agent's store with the dead
-    attempt; gloo's rendezvous could read the dead workers' addresses from it and fail with
-    "connectFullMesh failed ... Connection refused" (3 of 8 restarts here). A prefix per attempt
-    gives every attempt a clean key space (0 failures since).
+    attempt; gloo's rendezvous can read the dead workers' addresses from it and fail with
+    "connectFullMesh failed ... Connection refused". A prefix per attempt gives every attempt a
+    clean key space (tests/test_dtl_dist.py restarts a crashed rank through it).
     """
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],

@@ -239,15 +239,15 @@ def shim_state() -> str:
 
 
 def check_shim_version() -> str:
-    """Return megatron-core's version; raise unless it is the one the shim was written for
-    (or DTL_MEGATRON_SHIM_ANY_VERSION=1)."""
+    """Return megatron-core's version; raise unless it is the one the shim's patches were
+    checked against (or DTL_MEGATRON_SHIM_ANY_VERSION=1)."""
     version = _megatron("package_info").__version__
     if version.split(".")[:2] == SHIM_WRITTEN_FOR.split("."):
         return version
     if os.environ.get(ANY_VERSION_ENV) == "1":
         return version
     raise RuntimeError(
-        f"dtl.megatron.cpu_shim was written for megatron-core {SHIM_WRITTEN_FOR}.x, found "
+        f"dtl.megatron.cpu_shim patches megatron-core {SHIM_WRITTEN_FOR}.x, found "
         f"{version}; re-check its patches against that source, or set {ANY_VERSION_ENV}=1"
     )
 

@@ -1,7 +1,7 @@
 """NCCL's rules checked on gloo (dtl/nccl_rules.py) and the torch 2.13 names (dtl/compat.py).
 
 Each check is shown to fail on the bug it names: a tensor factory with no device (the shape of
-day 15's check_barrier and day 17's rebuild_buckets before they were fixed), a receive order that
+a barrier's timings or a bucket layout built on the host and broadcast), a receive order that
 only tags made right, a direct call of a collective torch 2.11 does not have.
 """
 
