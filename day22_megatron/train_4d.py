@@ -3,7 +3,8 @@
 CPU (gloo), ~8 s at 4 ranks, ~13 s at 8:
     torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --tp=2 --pp=2
     torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --tp=2 --cp=2
-    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --pp=2 --chunks=2 --num-layers=4  # dp 2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --pp=2 --chunks=2 \
+        --num-layers=4  # dp 2: 4 virtual stages need 4 layers
     torchrun --standalone --nproc_per_node=8 -m day22_megatron.train_4d --tp=2 --pp=2  # dp 2
 GPUs (NCCL):
     torchrun --standalone --nproc_per_node=gpu -m day22_megatron.train_4d --tp=2 --pp=2 \\

@@ -1,7 +1,7 @@
 """The notes cite no file the repository lacks (no processes, no torch; well under 1 s).
 
-Scanned: README.md, docs/*.md and every day*/README.md, and for bare upper-case doc names (REFERENCES.md,
-READING.md, ...) every .py, .md and .toml file too. The rules:
+Scanned: README.md, docs/*.md and every day*/README.md, and for bare upper-case doc names
+(REFERENCES.md, READING.md, ...) every .py, .md and .toml file too. The rules:
 - a relative markdown link resolves to a file or folder of the repository;
 - a backticked name ending in .py, .md, .toml or .json (`name`, `path/name`, `name:function`):
   - a path whose first folder is one of the repository's (day*, dtl, tests, tools, ..) resolves,
@@ -48,6 +48,8 @@ def _ours(path: str) -> bool:
     outside project's documentation (DeepSpeed's `docs/_pages/...`)."""
     top = path.split("/")[0]
     return top in TOPS | {".", ".."} and not (top == "docs" and path.count("/") > 1)
+
+
 BASENAMES = {os.path.basename(f) for f in FILES}
 NOTES = ["README.md"] + sorted(
     f for f in FILES if re.fullmatch(r"day\d\d_\w+/README\.md|docs/\w+\.md", f)

@@ -22,7 +22,7 @@ PROCESS_WORDS = [
     r"\bborrowed\b",
     r"\bno GPU was (?:available|lent|drawn)",
     r"\b(?:this|that|an earlier|a later|the next) session\b",
-    r"\bwhile writing (?:these notes|this (?:lesson|course|note|code)|the (?:lesson|course|notes)|`)",
+    r"\bwhile writing (?:these notes|this (?:lesson|course|note|code)|the (?:lesson|course)|`)",
     r"\bwhile the (?:lesson|course|notes?) (?:was|were) written",
     r"\b(?:was|were) written\b",
     r"\b(?:an |the )?earlier versions?\b",
