@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dtl import compat
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.exercise_seam import exercise
 
 N_ELEMS = 4  # every tensor below has this many elements per rank: small enough to print
 
@@ -43,13 +44,17 @@ def check_broadcast(device, group=None):
     return before, t, torch.full_like(t, float(src_group_rank))
 
 
+@exercise("day15.closed_forms")
 def check_all_reduce_sum(device, group=None):
-    # before: rank r holds (r + 1); after: every rank holds 1 + 2 + ... + n = n(n + 1)/2
+    # before: rank r holds (r + 1); after: every rank holds the sum over ranks
     n, r = dist.get_world_size(group), dist.get_rank(group)
     t = torch.full((N_ELEMS,), float(r + 1), device=device, dtype=torch.float64)
     before = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return before, t, torch.full_like(t, n * (n + 1) / 2)
+    # exercise day15.closed_forms: begin
+    expected = torch.full_like(t, n * (n + 1) / 2)  # 1 + 2 + ... + n, on every rank
+    # exercise day15.closed_forms: end
+    return before, t, expected
 
 
 def check_all_reduce_avg(device, group=None):
@@ -72,19 +77,24 @@ def check_all_reduce_max(device, group=None):
     return before, t, expected
 
 
+@exercise("day15.closed_forms")
 def check_all_gather(device, group=None):
-    # before: (N_ELEMS,) per rank holding r; after: (n, N_ELEMS) on every rank, row k holds k
+    # before: (N_ELEMS,) per rank holding r; after: (n, N_ELEMS) on every rank
     n, r = dist.get_world_size(group), dist.get_rank(group)
     mine = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
     out = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(out, mine, group=group)
+    # exercise day15.closed_forms: begin
+    # row k holds rank k's tensor: k everywhere
     expected = torch.arange(n, device=device, dtype=torch.float64)[:, None].expand(n, N_ELEMS)
+    # exercise day15.closed_forms: end
     return mine, torch.stack(out), expected
 
 
+@exercise("day15.closed_forms")
 def check_reduce_scatter(device, group=None):
     # before: (n, N_ELEMS) per rank, row j holds r*n + j; after: rank r holds row r summed over
-    # ranks: sum_k (k*n + r) = n * n(n - 1)/2 + n*r
+    # the ranks, (N_ELEMS,)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     rows = [
         torch.full((N_ELEMS,), float(r * n + j), device=device, dtype=torch.float64)
@@ -92,9 +102,13 @@ def check_reduce_scatter(device, group=None):
     ]
     out = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
     dist.reduce_scatter(out, rows, op=dist.ReduceOp.SUM, group=group)
-    return torch.stack(rows), out, torch.full_like(out, n * n * (n - 1) / 2 + n * r)
+    # exercise day15.closed_forms: begin
+    expected = torch.full_like(out, n * n * (n - 1) / 2 + n * r)  # sum_k (k*n + r)
+    # exercise day15.closed_forms: end
+    return torch.stack(rows), out, expected
 
 
+@exercise("day15.rs_plus_ag")
 def check_all_reduce_is_reduce_scatter_plus_all_gather(device, group=None):
     # the identity behind ring all-reduce and ZeRO: AR(x) == AG(RS(x)), on random data.
     # Random integers, so that every summation order gives the same bits: with random floats the
@@ -104,22 +118,30 @@ def check_all_reduce_is_reduce_scatter_plus_all_gather(device, group=None):
     x = torch.randint(-1000, 1000, (n * N_ELEMS,), generator=gen).to(device, torch.float64)
     reduced = x.clone()
     dist.all_reduce(reduced, group=group)  # (n * N_ELEMS,) summed
+    # the same sum in two steps: (n * N_ELEMS,) -reduce_scatter-> (N_ELEMS,), my chunk summed
+    # over the ranks -all_gather-> n chunks of (N_ELEMS,): the whole sum, in `rebuilt`
+    # exercise day15.rs_plus_ag: begin
     shard = torch.empty(N_ELEMS, device=device, dtype=torch.float64)
     dist.reduce_scatter(shard, list(x.chunk(n)), group=group)  # (N_ELEMS,): my summed chunk
     pieces = [torch.empty_like(shard) for _ in range(n)]
     dist.all_gather(pieces, shard, group=group)  # n x (N_ELEMS,) -> the full sum again
-    return x, torch.cat(pieces), reduced
+    rebuilt = torch.cat(pieces)
+    # exercise day15.rs_plus_ag: end
+    return x, rebuilt, reduced
 
 
+@exercise("day15.closed_forms")
 def check_all_to_all(device, group=None):
     # a transpose across ranks: input element j of rank r goes to rank j, slot r.
     # before: rank r holds [r*n + 0, ..., r*n + n-1]
-    # after:  rank r holds [0*n + r, ..., (n-1)*n + r]
     n, r = dist.get_world_size(group), dist.get_rank(group)
     inp = torch.arange(n, device=device, dtype=torch.float64) + r * n
     out = torch.empty_like(inp)
     dist.all_to_all_single(out, inp, group=group)
-    return inp, out, torch.arange(n, device=device, dtype=torch.float64) * n + r
+    # exercise day15.closed_forms: begin
+    expected = torch.arange(n, device=device, dtype=torch.float64) * n + r
+    # exercise day15.closed_forms: end
+    return inp, out, expected
 
 
 def check_send_recv_ring(device, group=None):

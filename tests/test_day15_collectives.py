@@ -14,21 +14,25 @@ from dtl.script_server import run_script
 from dtl.testing import run_distributed
 
 
-def _every_check_on_world_and_sub_groups():
+def _checks_on_world_and_sub_groups(names):
     out = []
-    for name, check in collectives.CHECKS.items():
-        out.append((name, *check(torch.device("cpu"))))
+    for name in names:
+        out.append((name, *collectives.CHECKS[name](torch.device("cpu"))))
     sub, label = collectives.even_odd_groups()
-    for name, check in collectives.CHECKS.items():
-        out.append((f"{name} [{label} sub-group]", *check(torch.device("cpu"), group=sub)))
+    for name in names:
+        out.append(
+            (
+                f"{name} [{label} sub-group]",
+                *collectives.CHECKS[name](torch.device("cpu"), group=sub),
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])  # 3: uneven sub-groups, even {0, 2} odd {1}
-def test_every_collective_matches_its_closed_form_on_world_and_sub_groups(world_size):
-    per_rank = run_distributed(_every_check_on_world_and_sub_groups, world_size=world_size)
+def _assert_closed_forms(names, world_size):
+    per_rank = run_distributed(_checks_on_world_and_sub_groups, names, world_size=world_size)
     for rank, results in enumerate(per_rank):
-        assert len(results) == 2 * len(collectives.CHECKS)
+        assert len(results) == 2 * len(names)
         for name, before, got, expected in results:
             assert before is not None
             if got is None:  # reduce/gather promise nothing to ranks other than the destination
@@ -38,6 +42,26 @@ def test_every_collective_matches_its_closed_form_on_world_and_sub_groups(world_
             torch.testing.assert_close(
                 got, expected, rtol=0, atol=0, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
             )
+
+
+FOUR = ["all_reduce(SUM)", "all_gather", "reduce_scatter", "all_to_all"]  # day15.closed_forms
+IDENTITY = ["AR == RS + AG"]  # day15.rs_plus_ag
+# 3 ranks: uneven sub-groups, even {0, 2} and odd {1}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_four_collectives_give_their_closed_forms_on_world_and_sub_groups(world_size):
+    _assert_closed_forms(FOUR, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_equals_reduce_scatter_then_all_gather_on_world_and_sub_groups(world_size):
+    _assert_closed_forms(IDENTITY, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_other_collective_matches_its_closed_form_on_world_and_sub_groups(world_size):
+    _assert_closed_forms([n for n in collectives.CHECKS if n not in FOUR + IDENTITY], world_size)
 
 
 def _every_check_with_collectives_that_do_nothing():
@@ -100,6 +124,7 @@ def test_all_reduce_equals_reduce_scatter_then_all_gather_is_among_the_checks():
     assert collectives.CHECKS["AR == RS + AG"] is (
         collectives.check_all_reduce_is_reduce_scatter_plus_all_gather
     )
+    assert set(FOUR + IDENTITY) < set(collectives.CHECKS)
 
 
 # --- DDP against one process ---------------------------------------------------------------
