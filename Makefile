@@ -1,6 +1,7 @@
 # make tour       run every lesson's launch line and print one table (the course's main job)
 # make test       the test suite: every parallel implementation against a single process, on gloo
 # make test DAY=19  one day's tests, its launch lines and its bad-input checks (minutes, not 20)
+# make prove      every graded exercise: its stub fails each grader, its solution passes (CI)
 # make gpu-check  the GPU check: the most valuable GPU lines first, inside BUDGET_S seconds
 # make gpu-all    every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
 # make lint       ruff
@@ -43,7 +44,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(if $(IN_VENV),$(abspath $(VENV)),$(abspath .dtl-installed))/torch_extensions
 export PATH := $(abspath $(dir $(shell command -v $(PY) 2>/dev/null || echo $(PY)))):$(PATH)
 
-.PHONY: tour test gpu-check gpu-all lint figures readme install wheelhouse clean
+.PHONY: tour test prove gpu-check gpu-all lint figures readme install wheelhouse clean
 
 # a new day package needs the editable install redone (its finder maps the packages it knew)
 $(STAMP): pyproject.toml Makefile tools/install.sh tools/warm_deepspeed_ops.py $(wildcard day*/__init__.py)
@@ -58,6 +59,10 @@ tour: $(STAMP)
 # a missing Python extra (deepspeed, megatron) fails the suite here instead of skipping it
 test: $(STAMP)
 	DTL_REQUIRE_EXTRAS=1 $(PY) -m pytest $(DAY_TESTS) $(PYTEST_ARGS)
+
+# the exercises' proof edits the course's files and puts them back; its own budget in CI
+prove: $(STAMP)
+	$(PY) -m dtl.exercise_proof
 
 gpu-check: $(STAMP)
 	$(PY) -m dtl.tour --gpu-check --budget_s=$(BUDGET_S)

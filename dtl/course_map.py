@@ -3,7 +3,7 @@
     python -m dtl.course_map --write     # `make readme`: rewrite both in place
 
 - README.md's map: one short row per day (its idea, the core's reading time measured from the
-  notes by dtl.notes, its first run).
+  notes by dtl.notes, its first run, its first graded exercise from its exercises.toml).
 - docs/lessons.md: every launch line, CPU and GPU, with what the day's runs prove.
 
 Each lives between its begin and end markers; tests/test_notes_shape.py and
@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 
-from dtl import notes
+from dtl import exercise_regions, notes
 from dtl.registry import REPO_ROOT, Lesson, launched_package, load
 
 README = os.path.join(REPO_ROOT, "README.md")
@@ -44,11 +44,21 @@ def first_run(lesson: Lesson) -> str:
     return f"`{module_and_args}` ({procs} {'rank' if procs == '1' else 'ranks'})"
 
 
+def first_exercise(lesson: Lesson, exercises: dict[str, exercise_regions.Exercise]) -> str:
+    """The day's first graded exercise (exercises.toml order) and how many it has; or a dash."""
+    mine = [e for e in exercises.values() if e.day == lesson.day]
+    return f"`{mine[0].id}` (of {len(mine)})" if mine else "-"
+
+
 def course_map(lessons: list[Lesson]) -> str:
-    rows = ["| day | the idea | core | first run |", "|---|---|---|---|"]
+    exercises = exercise_regions.load()
+    rows = ["| day | the idea | core | first run | first exercise |", "|---|---|---|---|---|"]
     for lesson in lessons:
         day = f"[{lesson.day}]({lesson.package}/README.md)"
-        rows.append(f"| {day} | {lesson.idea} | {core_minutes(lesson)} min | {first_run(lesson)} |")
+        rows.append(
+            f"| {day} | {lesson.idea} | {core_minutes(lesson)} min | {first_run(lesson)} | "
+            f"{first_exercise(lesson, exercises)} |"
+        )
     return "\n".join(rows)
 
 
