@@ -1,12 +1,12 @@
 """Graded exercises: write a piece of the course's own code, and the course's checks grade it.
 
-    python -m dtl.exercise list                      every exercise by day, with its status
-    python -m dtl.exercise start day19.column_forward  its region becomes a stub: yours to write
-    python -m dtl.exercise hint day19.column_forward
-    python -m dtl.exercise grade day19.column_forward  its graders, one line each: pass or fail
+    python -m dtl.exercise list                     every exercise by day, with its status
+    python -m dtl.exercise start day19.f_and_g      its region becomes a stub: yours to write
+    python -m dtl.exercise hint day19.f_and_g
+    python -m dtl.exercise grade day19.f_and_g      its graders, one line each: pass or fail
     python -m dtl.exercise grade ID --impl mypkg.mymodule   grade your own module instead
-    python -m dtl.exercise reset ID                  the stub again (your version kept aside)
-    python -m dtl.exercise solution ID               the course's code again (yours kept aside)
+    python -m dtl.exercise reset ID                 the stub again (your version kept aside)
+    python -m dtl.exercise solution ID              the course's code again (yours kept aside)
     python -m dtl.exercise progress
 
 The exercises are declared beside each day (dayNN_topic/exercises.toml) and marked in the code
@@ -183,6 +183,7 @@ class GraderResult:
     outcome: str  # "pass", "fail", "error" (collection, fixture), "skip"
     message: str  # the first line of the failure, "" when it passed
     text: str = ""  # the whole failure report
+    seconds: float = 0.0  # the grader's test cases, summed (pytest's own timing)
 
 
 def run_graders(graders: list[str], env: dict | None = None, timeout_s: float = 600):
@@ -202,8 +203,8 @@ def run_graders(graders: list[str], env: dict | None = None, timeout_s: float = 
     return [_fold(g, [c for c in cases if _belongs(c[0], g)]) for g in graders]
 
 
-def _cases(xml: str) -> list[tuple[str, str, str, str]]:
-    """(node id, outcome, first line of the message, the whole report) for every test case."""
+def _cases(xml: str) -> list[tuple[str, str, str, str, float]]:
+    """(node id, outcome, first line of the message, the whole report, seconds) per test case."""
     out = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
@@ -216,7 +217,7 @@ def _cases(xml: str) -> list[tuple[str, str, str, str]]:
                 text = f"{found.get('message') or ''}\n{found.text or ''}"
                 message = _headline(text)
                 break
-        out.append((node, outcome, message, text))
+        out.append((node, outcome, message, text, float(case.get("time") or 0)))
     return out
 
 
@@ -235,17 +236,18 @@ def _belongs(node: str, grader: str) -> bool:
     return node == grader or node.startswith(grader + "[")
 
 
-def _fold(grader: str, cases: list[tuple[str, str, str, str]]) -> GraderResult:
+def _fold(grader: str, cases: list[tuple[str, str, str, str, float]]) -> GraderResult:
     if not cases:
         return GraderResult(grader, "error", "no test case ran (wrong id?)")
+    seconds = sum(c[4] for c in cases)
     for outcome in ("error", "fail"):
         bad = [c for c in cases if c[1] == outcome]
         if bad:
             case = bad[0][0].split("::")[-1]
-            return GraderResult(grader, outcome, f"{case}: {bad[0][2]}", bad[0][3])
+            return GraderResult(grader, outcome, f"{case}: {bad[0][2]}", bad[0][3], seconds)
     if all(c[1] == "skip" for c in cases):
-        return GraderResult(grader, "skip", cases[0][2])
-    return GraderResult(grader, "pass", "")
+        return GraderResult(grader, "skip", cases[0][2], seconds=seconds)
+    return GraderResult(grader, "pass", "", seconds=seconds)
 
 
 def grade(ex: er.Exercise, impl: str | None = None) -> tuple[bool, list[str]]:
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["list", "start", "hint", "grade", "reset",
                                              "solution", "progress"])  # fmt: skip
-    parser.add_argument("id", nargs="?", help="the exercise, e.g. day19.column_forward")
+    parser.add_argument("id", nargs="?", help="the exercise, e.g. day19.column_row_forward")
     parser.add_argument("--impl", help="grade: take the marked functions from this module")
     args = parser.parse_args(argv)
     try:

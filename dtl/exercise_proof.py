@@ -2,7 +2,7 @@
 pass them all. nbgrader's `validate --invert`, per exercise; CI's second step.
 
     python -m dtl.exercise_proof                 every exercise
-    python -m dtl.exercise_proof --only day15.closed_forms day19.column_forward
+    python -m dtl.exercise_proof --only day15.closed_forms day19.column_row_forward
 
 For each exercise, with only that exercise stubbed:
 - each of its graders must fail, by an assertion or by the stub's own error, never by a
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exercises = er.load()
     chosen = [er.find(exercises, i) for i in args.only] if args.only else list(exercises.values())
-    busy = [e.id for e in exercises.values() if ex_tool.state(e).name in ("started", "yours")]
+    busy = [e.id for e in chosen if ex_tool.state(e).name in ("started", "yours")]
     if busy:
         print(f"error: exercises in progress: {', '.join(busy)} (`solution` them first)")
         return 2
@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in solved if r.outcome != "pass"]
     for r in bad:
         print(f"FAIL with the solution in place: {r.grader}: {r.outcome} {r.message}")
+    seconds = {r.grader: r.seconds for r in solved}
+    print("the first (discriminating) grader of each, with the solution in place:")
+    for ex in chosen:
+        print(f"  {ex.id:32} {seconds[ex.graders[0]]:5.1f} s  {ex.graders[0].split('::')[1]}")
     print(
         f"summary: exercise proof: {caught}/{len(chosen)} stubs caught by every grader "
         f"(mutation score {caught / max(1, len(chosen)):.0%}); {len(graders) - len(bad)}/"

@@ -1,6 +1,6 @@
 """The seam through which a reader's own module stands in for the course's code.
 
-    @exercise("day19.column_forward")
+    @exercise("day19.column_row_forward")
     def forward(self, x): ...
 
 Without DTL_EXERCISE_IMPL the decorator returns the function unchanged. `python -m dtl.exercise

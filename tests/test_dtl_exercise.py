@@ -189,3 +189,10 @@ def test_each_exercise_says_where_its_stub_points():
         assert os.path.exists(os.path.join(registry.REPO_ROOT, ex.notes))
         stub = er.regions_of(ex)[0].stub(ex)
         compile(textwrap.dedent(stub), "<stub>", "exec")  # a stub is one valid statement
+
+
+def test_every_day_has_graded_exercises_thirty_in_all():
+    exercises = er.load()
+    per_day = {x.day: sum(e.day == x.day for e in exercises.values()) for x in registry.load()}
+    assert all(n >= 2 for n in per_day.values()), per_day
+    assert len(exercises) >= 30
