@@ -144,20 +144,26 @@ def check_all_to_all(device, group=None):
     return inp, out, expected
 
 
+@exercise("day15.send_recv_ring")
 def check_send_recv_ring(device, group=None):
-    # point to point: every rank sends its rank to the right neighbour, receives from the left
+    # point to point: every rank sends its (N_ELEMS,) tensor of r to the right neighbour,
+    # (r + 1) mod n, and receives the left neighbour's, (r - 1) mod n, into `got`. Peers are
+    # named by global rank, even inside a sub-group. If every rank first sent and then received,
+    # each would wait for a receiver that is itself sending: post both, then wait.
     n, r = dist.get_world_size(group), dist.get_rank(group)
     g = group or dist.group.WORLD
     mine = torch.full((N_ELEMS,), float(r), device=device, dtype=torch.float64)
     if n == 1:  # a ring of one: gloo cannot send to itself, and the left neighbour is you
         return mine, mine.clone(), mine
     got = torch.empty_like(mine)
+    # exercise day15.send_recv_ring: begin
     ops = [
         dist.P2POp(dist.isend, mine, dist.get_global_rank(g, (r + 1) % n), group),
         dist.P2POp(dist.irecv, got, dist.get_global_rank(g, (r - 1) % n), group),
     ]
     for work in dist.batch_isend_irecv(ops):  # posted together: no rank waits for another
         work.wait()
+    # exercise day15.send_recv_ring: end
     return mine, got, torch.full_like(got, float((r - 1) % n))
 
 

@@ -46,6 +46,7 @@ def _assert_closed_forms(names, world_size):
 
 FOUR = ["all_reduce(SUM)", "all_gather", "reduce_scatter", "all_to_all"]  # day15.closed_forms
 IDENTITY = ["AR == RS + AG"]  # day15.rs_plus_ag
+RING = ["send/recv ring"]  # day15.send_recv_ring
 # 3 ranks: uneven sub-groups, even {0, 2} and odd {1}
 
 
@@ -60,8 +61,14 @@ def test_all_reduce_equals_reduce_scatter_then_all_gather_on_world_and_sub_group
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_send_recv_ring_passes_each_rank_its_left_neighbours_tensor(world_size):
+    _assert_closed_forms(RING, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_other_collective_matches_its_closed_form_on_world_and_sub_groups(world_size):
-    _assert_closed_forms([n for n in collectives.CHECKS if n not in FOUR + IDENTITY], world_size)
+    graded = FOUR + IDENTITY + RING
+    _assert_closed_forms([n for n in collectives.CHECKS if n not in graded], world_size)
 
 
 def _every_check_with_collectives_that_do_nothing():
@@ -124,7 +131,7 @@ def test_all_reduce_equals_reduce_scatter_then_all_gather_is_among_the_checks():
     assert collectives.CHECKS["AR == RS + AG"] is (
         collectives.check_all_reduce_is_reduce_scatter_plus_all_gather
     )
-    assert set(FOUR + IDENTITY) < set(collectives.CHECKS)
+    assert set(FOUR + IDENTITY + RING) < set(collectives.CHECKS)
 
 
 # --- DDP against one process ---------------------------------------------------------------
