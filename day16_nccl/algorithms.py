@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtl.exercise_seam import exercise
+
 TREE_CHUNK_BYTES = 512 * 1024  # pipeline chunk; NCCL's tree uses 512 KiB slots (NVIDIA/nccl#391)
 
 
@@ -79,29 +81,43 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+@exercise("day16.ring_reduce_scatter")
 def _ring_reduce_scatter_(src, dst, group, stats: Stats) -> None:
-    # Round s: send chunk (r-s-1) right, receive chunk (r-s-2) from the left, dst = src + received.
-    # After n-1 rounds dst chunk r holds the sum over all ranks (the dist.reduce_scatter layout).
     # src and dst are lists of n chunk views; they may be the same list (in place).
+    # After n-1 rounds dst chunk r holds the sum over all ranks (the dist.reduce_scatter layout).
+    # Each round every rank sends one chunk to its right neighbour and receives one from its left
+    # (one _exchange: all ranks move at once), adds the received partial sum to its own copy of
+    # that chunk in dst, and sends that chunk on in the next round; round 0 sends src's data.
+    # A chunk's partial sum travels n-1 hops and gathers one rank's term per hop: choose the
+    # chunk indices so that the chunk rank r receives last is chunk r.
     n, r = dist.get_world_size(group), dist.get_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
     recv = _workspace("recv", src[0].numel(), src[0])  # chunk 0 is a largest chunk
     for s in range(n - 1):
+        # exercise day16.ring_reduce_scatter: begin
+        # round s: send chunk (r-s-1) right, receive chunk (r-s-2) from the left, add it
         send = (src if s == 0 else dst)[(r - s - 1) % n]  # round 0 sends my own data
         i = (r - s - 2) % n
-        buf = recv[: src[i].numel()]
+        buf = recv[: src[i].numel()]  # the received chunk lands aside, then is added
         _exchange([(right, send, 0)], [(left, buf, 0)], group, stats)
         torch.add(src[i], buf, out=dst[i])
+        # exercise day16.ring_reduce_scatter: end
 
 
+@exercise("day16.ring_all_gather")
 def _ring_all_gather_(chunks, group, stats: Stats) -> None:
-    # Round s: send chunk (r-s) right, receive chunk (r-s-1) from the left, straight into place.
+    # Before: chunk r of `chunks` (n views) is complete on rank r, what the reduce-scatter left.
+    # After n-1 rounds every chunk is complete on every rank. Each round every rank sends one
+    # chunk to its right neighbour and receives one from its left (one _exchange), straight
+    # into place: nothing is added, a complete chunk is copied on around the ring.
     n, r = dist.get_world_size(group), dist.get_rank(group)
     right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):
+    # exercise day16.ring_all_gather: begin
+    for s in range(n - 1):  # round s: send chunk (r-s) right, receive chunk (r-s-1) from the left
         _exchange(
             [(right, chunks[(r - s) % n], 0)], [(left, chunks[(r - s - 1) % n], 0)], group, stats
         )
+    # exercise day16.ring_all_gather: end
 
 
 def ring_all_reduce(x: torch.Tensor, group=None) -> Stats:
@@ -174,6 +190,8 @@ def _from_parents(parent: list[int]) -> Tree:
         d, p = 0, parent[r]
         while p != -1:
             d, p = d + 1, parent[p]
+            if d > n:
+                raise ValueError(f"rank {r}: its parent links form a cycle, not a tree")
         depth.append(d)
     return Tree(tuple(parent), tuple(tuple(c) for c in children), tuple(depth))
 
@@ -192,15 +210,21 @@ def binary_tree(n: int) -> Tree:
     return _from_parents(parent)
 
 
+@exercise("day16.double_tree")
 def double_binary_tree(n: int) -> tuple[Tree, Tree]:
-    """Tree 1 = binary_tree(n) (inner nodes: odd ranks). Tree 2 = tree 1 mirrored (r -> n-1-r) when
-    n is even, shifted (r -> r+1 mod n) when n is odd: both maps send odd ranks to even ones, so the
-    inner nodes of tree 2 are even ranks and no rank is inner in both trees."""
+    """Tree 1 = binary_tree(n) (inner nodes: odd ranks; leaves: even ranks). Tree 2 = tree 1 with
+    its ranks relabelled by a bijection that sends every odd rank to an even one: the inner nodes
+    of tree 2 are then even ranks, and no rank is inner in both trees. Relabelling keeps the
+    shape (binary, same height); the map has to work for even and for odd n."""
     t1 = binary_tree(n)
+    # parent[m(r)] = m(t1.parent[r]): tree 2's parent of rank m(r), -1 for the root
+    # exercise day16.double_tree: begin
+    # mirror r -> n-1-r when n is even; when n is odd the mirror keeps parity (n-1 is even): shift
     move = (lambda r: n - 1 - r) if n % 2 == 0 else (lambda r: (r + 1) % n)
     parent = [0] * n
     for r in range(n):
         parent[move(r)] = -1 if t1.parent[r] == -1 else move(t1.parent[r])
+    # exercise day16.double_tree: end
     return t1, _from_parents(parent)
 
 

@@ -8,10 +8,13 @@ What "the same" means, per dtype:
       |ours - dist.all_reduce| <= 2 (n-1) u sum_r |x_r|   (u = 2^-24 fp32, 2^-53 fp64, 2^-8 bf16:
       each side's n-1 roundings, Higham, "Accuracy and Stability of Numerical Algorithms" 4.2),
       and every rank holds the same bits.
-One spawn of 8 ranks: world sizes 2..7 run on sub-groups (disjoint ones side by side), 8 on the
-whole world; spawning per world size would cost more than the checks (1-8 s each on 2 cores).
+One spawn of 8 ranks for the ring and one for the trees: world sizes 2..7 run on sub-groups
+(disjoint ones side by side), 8 on the whole world; spawning per world size would cost more than
+the checks (1-8 s each on 2 cores). The ring's two phases also run alone, on 2, 3 and 4 ranks:
+the graders of the exercises day16.ring_reduce_scatter and day16.ring_all_gather.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -75,8 +78,8 @@ def _check_one(name, numel, dtype, integer, chunk, fails, g):
         fails.append(f"{tag}: bytes sent {totals[0]} != bytes received {totals[1]} over all ranks")
 
 
-def _check_ring_pieces(numel, fails, g):
-    """Ring reduce-scatter and all-gather on their own, against all_reduce / the built-ins."""
+def _check_ring_reduce_scatter(numel, fails, g):
+    """Ring reduce-scatter on its own, against all_reduce and the built-in reduce-scatter."""
     n, r = dist.get_world_size(g), dist.get_rank(g)
     x = _input(numel, torch.float32, seed=r, integer=True)
     full = x.clone()
@@ -87,27 +90,63 @@ def _check_ring_pieces(numel, fails, g):
         fails.append(f"ring_reduce_scatter n={n} numel={numel}: wrong chunk")
     if (rs.steps, rs.bytes_sent) != (n - 1, (numel - c[r]) * 4):
         fails.append(f"ring_reduce_scatter n={n} numel={numel}: counts {rs}")
-    gathered, ag = algo.ring_all_gather(full.tensor_split(n)[r].clone(), numel, group=g)
-    if not torch.equal(gathered, full):
-        fails.append(f"ring_all_gather n={n} numel={numel}: wrong vector")
-    if (ag.steps, ag.bytes_sent) != (n - 1, (numel - c[(r + 1) % n]) * 4):
-        fails.append(f"ring_all_gather n={n} numel={numel}: counts {ag}")
-    if numel % n == 0:  # the built-ins need equal chunks
+    if numel % n == 0:  # the built-in needs equal chunks
         out = torch.empty(numel // n)
         compat.reduce_scatter_single(out, x, group=g)
         if not torch.equal(mine, out):
             fails.append(f"ring_reduce_scatter n={n} numel={numel}: != reduce_scatter_single")
+
+
+def _check_ring_all_gather(numel, fails, g):
+    """Ring all-gather on its own, from chunks of all_reduce's result, against the built-in."""
+    n, r = dist.get_world_size(g), dist.get_rank(g)
+    full = _input(numel, torch.float32, seed=r, integer=True)
+    dist.all_reduce(full, group=g)
+    mine = full.tensor_split(n)[r].clone()
+    c = cost_model.chunk_sizes(numel, n)
+    gathered, ag = algo.ring_all_gather(mine, numel, group=g)
+    if not torch.equal(gathered, full):
+        fails.append(f"ring_all_gather n={n} numel={numel}: wrong vector")
+    if (ag.steps, ag.bytes_sent) != (n - 1, (numel - c[(r + 1) % n]) * 4):
+        fails.append(f"ring_all_gather n={n} numel={numel}: counts {ag}")
+    if numel % n == 0:  # the built-in needs equal chunks
         out = torch.empty(numel)
         compat.all_gather_single(out, mine, group=g)
         if not torch.equal(gathered, out):
             fails.append(f"ring_all_gather n={n} numel={numel}: != all_gather_single")
 
 
-def _check_everything(g):
+def _check_ring_piece(check):
+    n, fails = dist.get_world_size(), []
+    for numel in (1, n + 1, 1000, 64 * n):  # fewer elements than ranks, uneven, even
+        check(numel, fails, None)
+    return fails
+
+
+def _assert_ring_piece(check, world_size):
+    for rank, fails in enumerate(run_distributed(_check_ring_piece, check, world_size=world_size)):
+        assert not fails, f"rank {rank}: " + "\n".join(fails[:20])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_reduce_scatter_leaves_each_rank_its_chunk_of_the_sum_in_n_minus_1_rounds(world_size):
+    # day16.ring_reduce_scatter: rank r ends with chunk r summed over the ranks, and has sent
+    # every chunk but its own, once
+    _assert_ring_piece(_check_ring_reduce_scatter, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_all_gather_gives_every_rank_every_chunk_in_n_minus_1_rounds(world_size):
+    # day16.ring_all_gather: every rank ends with the whole vector, and has sent every chunk but
+    # the one its right neighbour owns, once
+    _assert_ring_piece(_check_ring_all_gather, world_size)
+
+
+def _check_everything(names, g):
     n = dist.get_world_size(g)
     fails, checks = [], 0
     small = sorted({1, max(n - 1, 1), n + 1, 7 * n + 3})  # below, around and above n
-    for name in ("ring", "tree", "dbt"):
+    for name in names:
         for dtype in DTYPES:
             for numel in small + [1000]:
                 chunk = SMALL_CHUNK if numel < 1000 else 1024  # pipelined: many chunks
@@ -118,16 +157,13 @@ def _check_everything(g):
         # not divisible by n: one dtype, since the chunking does not depend on it
         _check_one(name, 2**19 + 3, DTYPES[0], True, algo.TREE_CHUNK_BYTES, fails, g)
         checks += 1
-    for numel in (1, n + 1, 1000, 64 * n):
-        _check_ring_pieces(numel, fails, g)
-        checks += 1
     return checks, fails
 
 
 PHASES = [(2, 6), (3, 5), (4, 4), (7,), (8,)]  # group sizes run side by side on 8 ranks
 
 
-def _check_all_world_sizes():
+def _check_all_world_sizes(names):
     r, out = dist.get_rank(), {}
     for sizes in PHASES:
         start, mine = 0, None
@@ -138,17 +174,25 @@ def _check_all_world_sizes():
             start += size
         if mine is not None:
             size, group = mine
-            out[size] = _check_everything(None if size == 8 else group)
+            out[size] = _check_everything(names, None if size == 8 else group)
         dist.barrier()
     return out
 
 
-def test_ring_tree_and_double_tree_match_dist_all_reduce_and_counts_on_2_to_8_ranks():
-    results = run_distributed(_check_all_world_sizes, world_size=8, timeout_s=240)
+def _assert_on_2_to_8_ranks(names):
+    results = run_distributed(_check_all_world_sizes, names, world_size=8, timeout_s=240)
     seen = set()
     for rank, per_size in enumerate(results):
         for size, (checks, fails) in per_size.items():
             seen.add(size)
-            assert checks > 50  # the loops ran
+            assert checks > 20 * len(names)  # the loops ran
             assert not fails, f"rank {rank} of {size}: " + "\n".join(fails[:20])
     assert seen == set(range(2, 9))
+
+
+def test_ring_matches_dist_all_reduce_and_counts_on_2_to_8_ranks():
+    _assert_on_2_to_8_ranks(["ring"])  # reduce-scatter then all-gather, in place
+
+
+def test_tree_and_double_tree_match_dist_all_reduce_and_counts_on_2_to_8_ranks():
+    _assert_on_2_to_8_ranks(["tree", "dbt"])
