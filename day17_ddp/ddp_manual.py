@@ -30,6 +30,7 @@ import torch.nn as nn
 from day17_ddp import ddp_logging
 from dtl import profile as dtl_profile
 from dtl.dist import run_device
+from dtl.exercise_seam import exercise
 from dtl.flat import FlatBuffer
 
 SYNC_MODES = ("naive", "overlap", "bucket", "ddp")
@@ -48,14 +49,18 @@ def check_sync_args(sync: str, bucket_cap_mb: float = 25.0, first_bucket_mb: flo
             raise SyncError(f"{name} must be a number of MiB > 0, got {value!r}")
 
 
+@exercise("day17.assign_buckets")
 def assign_buckets(
     nbytes: list[int], order: list[int], first_cap: int, cap: int
 ) -> list[list[int]]:
     """Group parameter indices, taken in `order`, into buckets (compute_bucket_assignment_by_size).
 
-    A bucket closes as soon as its size reaches its limit (>=, so one large tensor may exceed
-    it); the first bucket's limit is `first_cap`, every later one `cap`.
+    nbytes[i]: parameter i's gradient size in bytes. Returns the buckets, each a list of
+    indices in `order`'s order: every index once, none left out. A bucket closes as soon as its
+    size reaches its limit (>=, so one large tensor may exceed it); the first bucket's limit is
+    `first_cap`, every later one `cap`. A last bucket below its limit is kept.
     """
+    # exercise day17.assign_buckets: begin
     buckets, current, size, limit = [], [], 0, first_cap
     for i in order:
         current.append(i)
@@ -63,8 +68,9 @@ def assign_buckets(
         if size >= limit:
             buckets.append(current)
             current, size, limit = [], 0, cap
-    if current:
+    if current:  # the remainder: a bucket that never reached its limit
         buckets.append(current)
+    # exercise day17.assign_buckets: end
     return buckets
 
 
@@ -115,12 +121,17 @@ class _GradSync(nn.Module):
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 dist.broadcast(t, src=src, group=self.group)
 
+    @exercise("day17.bucket_sync")
     def forward(self, *args, **kwargs):
         # DDP decides in *forward* whether the next backward syncs (Reducer::prepare_for_backward).
         # Flipping require_backward_grad_sync after forward changes nothing for that backward.
+        # self._armed is what the grad hooks read; a backward that syncs starts from a fresh
+        # prepare_for_backward() (no grad ready yet, no all-reduce launched)
+        # exercise day17.bucket_sync: begin
         self._armed = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._armed:
             self.prepare_for_backward()
+        # exercise day17.bucket_sync: end
         return self.module(*args, **kwargs)
 
     def prepare_for_backward(self) -> None:
@@ -279,29 +290,41 @@ class BucketDDP(_GradSync):
         self.build(order.tolist())
         self.rebuilt = True
 
+    @exercise("day17.bucket_sync")
     def grad_ready(self, i, p):
         if not self.rebuilt:
             self.ready_order.append(i)  # Reducer::push_rebuilt_params
+        # p is parameter i: slot j of bucket b, views[b][j] its slice of the flat buffers[b].
+        # Copy its gradient into the bucket divided by n (mark_variable_ready_dense), count it
+        # off pending[b], and launch every bucket that is full, in index order only
+        # (Reducer::mark_bucket_ready): next_bucket is the first not yet launched. Every rank
+        # then issues the same all-reduces in the same order even if its grads arrive
+        # differently. _all_reduce_async(buffers[b], bucket=b) returns a future: keep it in
+        # self._futures, which reduce_and_wait waits on.
         b, j = self.locator[i]
-        # copy into the bucket and divide by n in one pass (mark_variable_ready_dense)
-        torch.mul(p.grad, 1.0 / self.world_size, out=self.views[b][j])
+        # exercise day17.bucket_sync: begin
+        torch.mul(p.grad, 1.0 / self.world_size, out=self.views[b][j])  # copy and divide at once
         self.pending[b] -= 1
-        if self.pending[b] == 0:
-            self.stats.bucket_ready_order.append(b)
-        # Reducer::mark_bucket_ready: launch buckets in index order only, so that every rank
-        # issues the same all-reduces in the same order even if its grads arrive differently
         while self.next_bucket < len(self.layout) and self.pending[self.next_bucket] == 0:
-            b = self.next_bucket
-            self._futures.append(self._all_reduce_async(self.buffers[b], bucket=b))
+            full = self.next_bucket
+            self._futures.append(self._all_reduce_async(self.buffers[full], bucket=full))
             self.next_bucket += 1
+        # exercise day17.bucket_sync: end
+        if self.pending[b] == 0:  # the order buckets filled in, whatever the launch order
+            self.stats.bucket_ready_order.append(b)
 
+    @exercise("day17.bucket_sync")
     def reduce_and_wait(self):
         with dtl_profile.range(dtl_profile.comm_name("all_reduce", wait=True)):
             for fut in self._futures:  # the wait before the optimizer step
                 fut.wait()
-        for b, idx in enumerate(self.layout):  # Reducer::copy_bucket_to_grad
+        # the buckets hold the averaged gradients: back into each parameter's .grad
+        # (Reducer::copy_bucket_to_grad); layout[b][j] is the parameter index of views[b][j]
+        # exercise day17.bucket_sync: begin
+        for b, idx in enumerate(self.layout):
             for j, i in enumerate(idx):
                 self.params[i].grad.copy_(self.views[b][j])
+        # exercise day17.bucket_sync: end
 
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, comparable with DDP's logging data 'rebuilt_bucket_sizes'."""

@@ -7,6 +7,7 @@ not used here on purpose: it divides by sqrt(v) and turns the rounding noise of 
 zero in exact arithmetic (the attention key bias) into lr-sized steps (see the notes' pitfalls).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from day17_ddp import bridge, ddp_logging, ddp_manual, observe
-from day17_ddp.ddp_manual import SYNC_MODES, BucketDDP, SyncError, wrap
+from day17_ddp.ddp_manual import SYNC_MODES, BucketDDP, MiB, SyncError, wrap
 from dtl import config as dtl_config
 from dtl import profile
 from dtl.comm import CommCounter
@@ -79,11 +80,11 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _all_modes(micro):
-    """Every sync mode trained K steps: all ranks' params per mode, and launch timing."""
+def _all_modes(micro, modes=SYNC_MODES):
+    """Each sync mode trained K steps: all ranks' params per mode, and launch timing."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results, launches = {}, {}
-    for sync in SYNC_MODES:
+    for sync in modes:
         # a different seed on every rank: the wrapper must broadcast rank 0's weights first
         model = wrap(GPT(CFG, seed=rank), sync, bucket_cap_mb=0.02, first_bucket_mb=0.01)
         params = flat_params(train(model, rank, world, micro=micro))
@@ -97,11 +98,53 @@ def _all_modes(micro):
     return results, launches
 
 
+BUCKET_LIMITS = ((0.01, 0.03), (0.02, 0.02), (1.0, 25.0))  # (first, cap) MiB: 3+, 2+ and 1 bucket
+
+
+def _ddp_rebuilt_buckets():
+    """torch DDP's rebuilt buckets for each (first, cap), with the gradient bytes per parameter."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for first, cap in BUCKET_LIMITS:
+        ddp = wrap(GPT(CFG, seed=0), "ddp", bucket_cap_mb=cap, first_bucket_mb=first)
+        train(ddp, rank, world, steps=3)
+        log = ddp._get_ddp_logging_data()
+        nbytes = [p.numel() * p.element_size() for p in ddp.parameters()]
+        out.append(((first, cap), nbytes, log["rebuilt_bucket_sizes"],
+                    log["rebuilt_per_bucket_param_indices"]))  # fmt: skip
+    return out
+
+
+def test_assign_buckets_reproduces_torch_ddps_rebuilt_buckets_from_their_ready_order():
+    # DDP's rebuilt buckets, read one after another, are the order its gradients became ready;
+    # cut by assign_buckets with the same limits, that order must give DDP's buckets back
+    for (first, cap), nbytes, ddp_sizes, ddp_indices in run_distributed(
+        _ddp_rebuilt_buckets, world_size=2
+    )[0]:
+        order = [int(i) for bucket in ddp_indices.split(", ") for i in bucket.split()]
+        layout = ddp_manual.assign_buckets(nbytes, order, int(first * MiB), int(cap * MiB))
+        sizes = [sum(nbytes[i] for i in idx) for idx in layout]
+        assert ", ".join(map(str, sizes)) == ddp_sizes, (first, cap, sizes, ddp_sizes)
+        mine = ", ".join(" ".join(map(str, idx)) for idx in layout)
+        assert mine == ddp_indices, (first, cap, mine, ddp_indices)
+
+
+def test_assign_buckets_closes_each_bucket_at_its_limit_written_out_by_hand():
+    assign = ddp_manual.assign_buckets
+    assert assign([4, 4, 8], [2, 1, 0], 8, 8) == [[2], [1, 0]]  # 8 >= 8 closes; 4 + 4 too
+    # a small first bucket, then the cap; the last bucket keeps what is left below its limit
+    assert assign([1] * 6, [5, 4, 3, 2, 1, 0], 2, 3) == [[5, 4], [3, 2, 1], [0]]
+    assert assign([2, 2, 2], [0, 1, 2], 2, 4) == [[0], [1, 2]]  # reaching the limit closes it
+    assert assign([1, 100, 1], [2, 1, 0], 1, 10) == [[2], [1], [0]]  # one tensor over the cap
+    assert assign([3, 1, 2], [1, 2, 0], 10, 10) == [[1, 2, 0]]  # one bucket, below its limit
+    assert assign([], [], 1, 1) == []
+
+
 def _bucket_layouts():
     """BucketDDP's rebuilt layout next to torch DDP's, for three (first, cap) settings."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    for first, cap in ((0.01, 0.03), (0.02, 0.02), (1.0, 25.0)):
+    for first, cap in BUCKET_LIMITS:
         mine = train(
             wrap(GPT(CFG, seed=0), "bucket", bucket_cap_mb=cap, first_bucket_mb=first),
             rank,
@@ -141,13 +184,20 @@ def _wrong_and_right_toggle():
     return out
 
 
-def _world2_body():
-    return _all_modes(micro=1), _all_modes(micro=3), _bucket_layouts(), _wrong_and_right_toggle()
+def _plain_and_accumulated(modes):
+    return _all_modes(micro=1, modes=modes), _all_modes(micro=3, modes=modes)
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_world2_body, world_size=2, timeout_s=120)[0]
+@functools.cache
+def at_world_2(*modes):
+    """(plain steps, 3 micro-steps) per mode at world 2, one spawn per set of modes: one for the
+    syncs that do not bucket, one for BucketDDP (small caps: several buckets). A BucketDDP that
+    fails (the exercises day17.assign_buckets, day17.bucket_sync) fails only its own tests, and
+    it fails them in the test's body, not in a fixture."""
+    return run_distributed(_plain_and_accumulated, modes, world_size=2)[0]
+
+
+UNBUCKETED = ("naive", "overlap", "ddp")
 
 
 def assert_replicas_match_reference(per_mode, ref):
@@ -159,32 +209,48 @@ def assert_replicas_match_reference(per_mode, ref):
             )
 
 
-def test_all_four_syncs_match_single_process_after_k_steps_at_world_2(world2):
-    assert_replicas_match_reference(world2[0][0], reference(world=2))
+def test_naive_overlap_and_ddp_match_single_process_with_and_without_accumulation():
+    unbucketed = at_world_2(*UNBUCKETED)
+    # K steps, then K steps of 3 micro-steps each (require_backward_grad_sync set before each
+    # forward): the one-process run on the global batch, world x B and world x 3 x B rows
+    assert_replicas_match_reference(unbucketed[0][0], reference(world=2))
+    assert_replicas_match_reference(unbucketed[1][0], reference(world=2, micro=3))
 
 
-def test_naive_launches_after_backward_overlap_and_bucket_launch_during_it(world2):
-    launches = {sync: early for sync, (early, _) in world2[0][1].items()}
+def test_bucket_sync_matches_single_process_with_and_without_accumulation():
+    bucketed = at_world_2("bucket")
+    assert_replicas_match_reference(bucketed[0][0], reference(world=2))
+    assert_replicas_match_reference(bucketed[1][0], reference(world=2, micro=3))
+
+
+def _in_flight(runs, sync):
+    """The most all-reduces in flight when backward compute ended, over the steps of both runs.
+
+    Async: the all-reduce the last gradient launched (at least) has usually not finished when
+    the backward graph is done; a blocking all-reduce inside the hook leaves 0 in flight on
+    every step. (Measured: bucket has 0 in flight on ~15% of steps, when the other rank was
+    late, so the tests take the max over 3 steps x 2 runs; overlap has ~27 of 28.)"""
+    return max(max(run[1][sync][1]) for run in runs)
+
+
+def test_naive_launches_after_backward_overlap_during_it_and_leaves_it_in_flight():
+    unbucketed = at_world_2(*UNBUCKETED)
+    launches = {sync: early for sync, (early, _) in unbucketed[0][1].items()}
     # naive: 28 all-reduces (one per tensor), all after backward produced its last gradient
     assert len(launches["naive"]) == 28 and not any(launches["naive"])
+    assert _in_flight(unbucketed, "naive") == 0  # naive launches nothing in backward
     # overlap: one per tensor, each from its own hook: all but the last gradient's go out while
     # backward is still producing gradients
     assert len(launches["overlap"]) == 28 and sum(launches["overlap"]) == 27
-    # bucket: one per bucket; every bucket but the one the last gradient completes goes out early
-    n_buckets = len(launches["bucket"])
-    assert 2 < n_buckets < 28 and sum(launches["bucket"]) == n_buckets - 1
+    assert _in_flight(unbucketed, "overlap") >= 1
 
 
-def test_overlap_and_bucket_all_reduces_are_still_in_flight_when_backward_compute_ends(world2):
-    # async: the all-reduce the last gradient launched (at least) has usually not finished when
-    # the backward graph is done; a blocking all-reduce inside the hook leaves 0 in flight on
-    # every step. (Measured: bucket has 0 in flight on ~15% of steps, when the other rank was
-    # late, so the test takes the max over 3 steps x 2 runs; overlap has ~27 of 28.)
-    pending = {sync: max(log) for sync, (_, log) in world2[0][1].items()}
-    pending_micro = {sync: max(log) for sync, (_, log) in world2[1][1].items()}
-    assert pending["naive"] == pending_micro["naive"] == 0  # naive launches nothing in backward
-    for sync in ("overlap", "bucket"):
-        assert max(pending[sync], pending_micro[sync]) >= 1, (sync, pending, pending_micro)
+def test_bucket_launches_one_all_reduce_per_bucket_during_backward_and_leaves_it_in_flight():
+    bucketed = at_world_2("bucket")
+    # one per bucket; every bucket but the one the last gradient completes goes out early
+    early = bucketed[0][1]["bucket"][0]
+    assert 2 < len(early) < 28 and sum(early) == len(early) - 1
+    assert _in_flight(bucketed, "bucket") >= 1
 
 
 def _world4_body():
@@ -196,23 +262,20 @@ def test_all_four_syncs_match_single_process_after_k_steps_at_world_4():
     assert_replicas_match_reference(per_mode, reference(world=4))
 
 
-def test_no_sync_accumulation_over_3_micro_steps_equals_one_step_on_3x_batch(world2):
-    assert_replicas_match_reference(world2[1][0], reference(world=2, micro=3))
-
-
-def test_hand_written_bucket_layout_matches_torch_ddp_rebuilt_buckets(world2):
-    for (first, cap), sizes, layout, rebuilt, ddp_sizes, ddp_indices in world2[2]:
+def test_hand_written_bucket_layout_matches_torch_ddp_rebuilt_buckets():
+    layouts = run_distributed(_bucket_layouts, world_size=2)[0]
+    for (first, cap), sizes, layout, rebuilt, ddp_sizes, ddp_indices in layouts:
         assert rebuilt, "BucketDDP did not rebuild its buckets after the first iteration"
         assert ", ".join(map(str, sizes)) == ddp_sizes, (first, cap, sizes, ddp_sizes)
         mine = ", ".join(" ".join(map(str, idx)) for idx in layout)
         assert mine == ddp_indices, (first, cap, mine, ddp_indices)
-    n_buckets = [len(sizes) for _, sizes, *_ in world2[2]]
+    n_buckets = [len(sizes) for _, sizes, *_ in layouts]
     assert n_buckets[0] > 2 and n_buckets[2] == 1, n_buckets  # the small caps really split
 
 
-def test_toggling_require_backward_grad_sync_only_around_backward_desyncs_replicas(world2):
+def test_toggling_require_backward_grad_sync_only_around_backward_desyncs_replicas():
     ref = reference(world=2, steps=2, micro=2)
-    for sync, (wrong, right) in world2[3].items():
+    for sync, (wrong, right) in run_distributed(_wrong_and_right_toggle, world_size=2)[0].items():
         gap = (wrong[0] - wrong[1]).abs().max().item()
         assert gap > 1e-4, f"{sync}: the wrong toggle should leave replicas apart, gap {gap:.2e}"
         for params in right:
@@ -234,7 +297,6 @@ def test_bad_bucket_cap_and_unknown_sync_mode_fail_with_one_line_before_any_coll
         assert "\n" not in str(info.value)
     with pytest.raises(SyncError, match="bucket_cap_mb must be"):
         BucketDDP(model, bucket_cap_mb=0)
-    assert ddp_manual.assign_buckets([4, 4, 8], [2, 1, 0], 8, 8) == [[2], [1, 0]]
 
 
 @pytest.mark.parametrize(
