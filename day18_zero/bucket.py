@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from dtl import compat
 from dtl import profile as dtl_profile
+from dtl.exercise_seam import exercise
 from dtl.flat import FlatBuffer
 from dtl.precision import at_least_fp32
 
@@ -103,26 +104,36 @@ class Bucket:
     def complete(self) -> bool:
         return len(self.arrived) == len(self.params)
 
+    @exercise("day18.zero2_reduce_scatter")
     def launch_reduce_scatter(self) -> None:
         # (P,) my local grads on every rank -> (P/N,) the SUM over ranks of my slice, written in
-        # place into my slice of the same buffer (NCCL and gloo both accept this aliasing)
+        # place into my slice of the same buffer (NCCL and gloo both accept this aliasing);
+        # asynchronous: the handle goes to self.reduce_work, finish_reduce_scatter waits on it
         data = self.full_grads.data
         with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", self.label)):
+            # exercise day18.zero2_reduce_scatter: begin
+            mine = self.full_grads.shard(self.rank, self.world)  # a (P/N,) view into data
             self.reduce_work = compat.reduce_scatter_single(
-                self.full_grads.shard(self.rank, self.world), data, group=self.group, async_op=True
+                mine, data, group=self.group, async_op=True
             )
+            # exercise day18.zero2_reduce_scatter: end
 
+    @exercise("day18.zero2_reduce_scatter")
     def finish_reduce_scatter(self) -> None:
         """Wait; turn the sum into the mean; stages 2/3 add it to the kept slice, free the rest."""
         with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", self.label, wait=True)):
             self.reduce_work.wait()
         self.reduce_work = None
-        mine = self.full_grads.shard(self.rank, self.world)
+        mine = self.full_grads.shard(self.rank, self.world)  # (P/N,): the sum over the ranks
+        # stage 1: grad_shard is this very view. Stages 2/3: grad_shard is a (P/N,) tensor of its
+        # own, kept across micro-steps; the (P,) buffer exists only until its slice is taken
+        # exercise day18.zero2_reduce_scatter: begin
         if self.stage == 1:
-            mine.div_(self.world)  # grad_shard is this very view
+            mine.div_(self.world)
         else:
             self.grad_shard.add_(mine, alpha=1.0 / self.world)  # accumulates across micro-steps
             self.full_grads = None  # the (P,) buffer is gone: only (P/N,) stays (ZeRO-2's saving)
+        # exercise day18.zero2_reduce_scatter: end
 
     def zero_grad(self) -> None:
         self.grad_shard.zero_()
@@ -132,16 +143,22 @@ class Bucket:
 
     # --- stage 3: the full parameters exist only while the unit runs --------------------------
 
+    @exercise("day18.zero3_gather")
     def launch_gather(self) -> None:
+        """Start the all-gather of the full parameters (asynchronous: self.gather_work), into
+        self.full.data, whose storage free_full_params shrank to 0 bytes: give it its bytes
+        back first (untyped_storage().resize_), in place, so the views autograd saved see them."""
         if self.gathered or self.gather_work is not None:
             return
-        storage = self.full.data.untyped_storage()
-        storage.resize_(self.padded_numel * self.full.data.element_size())  # memory back
         # (P/N,) my slice on every rank -> (P,) all slices in rank order, into the full buffer
         with dtl_profile.range(dtl_profile.comm_name("all_gather", self.label)):
+            # exercise day18.zero3_gather: begin
+            storage = self.full.data.untyped_storage()
+            storage.resize_(self.padded_numel * self.full.data.element_size())  # memory back
             self.gather_work = compat.all_gather_single(
                 self.full.data, self.param_shard, group=self.group, async_op=True
             )
+            # exercise day18.zero3_gather: end
 
     def wait_gather(self) -> None:
         if self.gathered:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtl.exercise_seam import exercise
 from dtl.precision import PRECISIONS, Precision
 
 STAGES_ALL = (0, 1, 2, 3)
@@ -34,6 +35,7 @@ class StateBytes:
         return self.params + self.grads + self.optim
 
 
+@exercise("day18.state_bytes")
 def model_state_bytes(
     psi: float, n: int, stage: int, precision: Precision, padded: float | None = None
 ) -> StateBytes:
@@ -45,6 +47,10 @@ def model_state_bytes(
     padded. None: the paper's Ψ and Ψ / N."""
     if stage not in STAGES_ALL:
         raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of 0, 1, 2, 3")
+    # per kind: a whole copy (Ψ elements, or `padded` when given) or this rank's slice of it,
+    # times the kind's bytes per element (precision.param, .grad, .optim); which kinds stage
+    # `stage` slices: the table at the top of this file
+    # exercise day18.state_bytes: begin
     whole = psi if padded is None else padded  # elements in a whole copy
     shard = whole / n  # elements in this rank's slice
     return StateBytes(
@@ -52,6 +58,7 @@ def model_state_bytes(
         grads=precision.grad * (shard if stage >= 2 else whole),
         optim=precision.optim * (shard if stage >= 1 else whole),
     )
+    # exercise day18.state_bytes: end
 
 
 def comm_volume_factor(stage: int) -> int:

@@ -55,6 +55,7 @@ from day17_ddp.ddp_manual import assign_buckets
 from day18_zero.bucket import Bucket
 from dtl import compat
 from dtl import profile as dtl_profile
+from dtl.exercise_seam import exercise
 from dtl.flat import FlatBuffer
 from dtl.grid import ParallelGrid
 from dtl.state import StateBytes, nbytes, optimizer_state_bytes
@@ -185,26 +186,39 @@ class ZeroModel(nn.Module):
         i = order.index(bucket) + step
         return order[i] if 0 <= i < len(order) else None
 
+    # Bucket.wait_gather() makes a unit whole (the all-gather launched unless a prefetch did,
+    # waited on); launch_gather() only starts it; free_full_params() gives the memory back.
+    # self._neighbour(bucket, +1 / -1): the unit after / before it in forward, or None.
+
+    @exercise("day18.zero3_gather")
     def _make_pre_forward(self, bucket: Bucket):
         def pre_forward(module, args):
             if self._recording and torch.is_grad_enabled():
                 self.forward_order.append(bucket)
+            # this unit whole now; with self.prefetch, the next unit's all-gather started too
+            # exercise day18.zero3_gather: begin
             bucket.wait_gather()
             nxt = self._neighbour(bucket, +1) if self.prefetch else None
             if nxt is not None:
                 nxt.launch_gather()  # its all-gather runs while this unit computes
+            # exercise day18.zero3_gather: end
             self.live.update()
 
         return pre_forward
 
+    @exercise("day18.zero3_gather")
     def _make_post_forward(self, bucket: Bucket):
         def post_forward(module, args, output):
+            # the unit has run: its full parameters go, and come back for its backward
+            # exercise day18.zero3_gather: begin
             bucket.free_full_params()
             self._on_backward_of(output, bucket)
+            # exercise day18.zero3_gather: end
             return output
 
         return post_forward
 
+    @exercise("day18.zero3_gather")
     def _on_backward_of(self, output, bucket: Bucket) -> None:
         """Gather `bucket` again when the gradient of `output` arrives, i.e. just before the
         unit's own backward runs (FSDP1's pre-backward hook on the unit's outputs)."""
@@ -216,10 +230,13 @@ class ZeroModel(nn.Module):
             if not done:  # one output's hook is enough
                 done.append(True)
                 self._queue_finalize()
+                # whole again; with self.prefetch, also start gathering the one backward runs next
+                # exercise day18.zero3_gather: begin
                 bucket.wait_gather()
                 prev = self._neighbour(bucket, -1) if self.prefetch else None
                 if prev is not None:
                     prev.launch_gather()
+                # exercise day18.zero3_gather: end
                 self.live.update()
             return grad
 
@@ -235,6 +252,7 @@ class ZeroModel(nn.Module):
             self._synced_backward = self.require_backward_grad_sync
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
+    @exercise("day18.zero2_reduce_scatter")
     def _grad_ready(self, p: torch.Tensor) -> None:
         # runs right after AccumulateGrad wrote p.grad (the hook DDP puts on it)
         self._queue_finalize()
@@ -244,10 +262,15 @@ class ZeroModel(nn.Module):
         self.live.update_grads()
         if not bucket.complete:
             return
+        # all its gradients are in. Stages 2 and 3 (outside no_sync: self._synced_backward)
+        # launch its reduce-scatter now, queue it in self._in_flight, and leave at most
+        # self.max_in_flight in flight (self._retire). Stage 1 waits for step().
+        # exercise day18.zero2_reduce_scatter: begin
         if self.stage >= 2 and self._synced_backward:
             bucket.launch_reduce_scatter()  # overlaps with the rest of backward
             self._in_flight.append(bucket)
             self._retire(keep=self.max_in_flight)
+        # exercise day18.zero2_reduce_scatter: end
         if self.stage == 3:
             bucket.free_full_params()  # its backward is done: give the full params back
             self.live.update()
