@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
 from dtl.precision import at_least_fp32
@@ -80,10 +81,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, **like))
         self.bias = nn.Parameter(torch.zeros(out_features // t, **like)) if bias else None
 
+    @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # exercise day19.column_row_forward: begin
         x = copy_to_tp(x, self.group)  # f: identity here, all-reduce of dL/dx in backward
         y = F.linear(x, self.weight, self.bias)  # (…, in) @ (in, out/t) -> (…, out/t)
         return gather_from_tp(y, self.group) if self.gather_output else y
+        # exercise day19.column_row_forward: end
 
 
 class RowParallelLinear(nn.Module):
@@ -107,12 +111,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, **like))
         self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
 
+    @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # exercise day19.column_row_forward: begin
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)  # (…, in) -> (…, in/t)
         y = F.linear(x, self.weight)  # (…, in/t) @ (in/t, out) -> (…, out): X_r A_r, partial
         y = reduce_from_tp(y, self.group)  # g: sum over ranks -> X A on every rank
         return y + self.bias if self.bias is not None else y
+        # exercise day19.column_row_forward: end
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -158,21 +165,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     (N, V) logits. Columns at or beyond `vocab_size` (padding) are masked out of the softmax."""
 
     @staticmethod
+    @exercise("day19.vocab_parallel_ce")
     def forward(ctx, logits, target, group, lo, vocab_size, ignore_index):
         # (N, V/t); the columns [lo, lo + V/t) of the vocabulary, in fp32 or wider (fp64 stays)
         z = logits.to(at_least_fp32(logits.dtype)).clone()
         n_local = z.size(-1)
         padded = torch.arange(lo, lo + n_local, device=z.device) >= vocab_size
         z[:, padded] = float("-inf")
+        # which tokens' targets are among my columns, and where: (N,) each
+        ignored = target == ignore_index
+        local_target = target - lo
+        mine = (local_target >= 0) & (local_target < n_local) & ~ignored
+        idx = local_target.clamp(0, n_local - 1)  # a valid column everywhere; use it where mine
+        # loss = log(sum over V of exp(z - max)) - (z_target - max), from three (N,) numbers,
+        # each all-reduced over the TP group: the max (MAX), the target's logit (SUM: one rank
+        # holds it, the others give 0) and the sum of exp over my columns (SUM). Leaves z
+        # shifted by the max, target_logit (N,), exp (N, V/t) and sum_exp (N,).
+        # exercise day19.vocab_parallel_ce: begin
         # 1. the max over the whole vocabulary, for a stable exp: (N,) -> all-reduce MAX
         zmax = z.max(dim=-1).values
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
         z -= zmax.unsqueeze(-1)
         # 2. the target's logit: held by one rank, 0 from the others -> all-reduce SUM, (N,)
-        ignored = target == ignore_index
-        local_target = target - lo
-        mine = (local_target >= 0) & (local_target < n_local) & ~ignored
-        idx = local_target.clamp(0, n_local - 1)
         # where(), not * mine: a clamped index may land on a padded column (-inf), and -inf * 0
         target_logit = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
         dist.all_reduce(target_logit, group=group)
@@ -180,6 +194,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
+        # exercise day19.vocab_parallel_ce: end
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine, ignored)
         ctx.in_dtype = logits.dtype

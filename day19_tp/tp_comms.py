@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dtl import profile as dtl_profile
+from dtl.exercise_seam import exercise
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -54,31 +55,49 @@ def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+# f and g: forward and backward of each, written side by side. backward returns one gradient per
+# input of forward (x, group), None for the group; what backward needs of forward goes on ctx.
+
+
 class CopyToTP(torch.autograd.Function):
     """f: identity forward; backward sums the input gradient over the TP group."""
 
     @staticmethod
+    @exercise("day19.f_and_g")
     def forward(ctx, x, group):
+        # (B, T, C) -> (B, T, C), the same values on every rank
+        # exercise day19.f_and_g: begin
         ctx.group = group
-        return x.view_as(x)  # (B, T, C) -> (B, T, C), the same values on every rank
+        return x.view_as(x)  # a new tensor for autograd, the same storage
+        # exercise day19.f_and_g: end
 
     @staticmethod
+    @exercise("day19.f_and_g")
     def backward(ctx, grad):
         # (B, T, C) partial dL/dX on each rank (its columns' share) -> (B, T, C) the sum
+        # exercise day19.f_and_g: begin
         return _all_reduce(grad, ctx.group), None
+        # exercise day19.f_and_g: end
 
 
 class ReduceFromTP(torch.autograd.Function):
     """g: forward sums the partial outputs over the TP group; identity backward."""
 
     @staticmethod
+    @exercise("day19.f_and_g")
     def forward(ctx, x, group):
         # (B, T, C) partial X_t A_t on each rank -> (B, T, C) the full X A on every rank
+        # exercise day19.f_and_g: begin
         return _all_reduce(x, group)
+        # exercise day19.f_and_g: end
 
     @staticmethod
+    @exercise("day19.f_and_g")
     def backward(ctx, grad):
+        # (B, T, C) dL/dY, the same on every rank -> dL/d(this rank's term)
+        # exercise day19.f_and_g: begin
         return grad, None  # d(sum)/d(term) = 1: each rank gets the whole gradient
+        # exercise day19.f_and_g: end
 
 
 class GatherFromTP(torch.autograd.Function):
