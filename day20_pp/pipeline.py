@@ -49,6 +49,7 @@ import torch.nn as nn
 from day20_pp.schedules import Action, Placement, p2p_lane
 from dtl import profile as dtl_profile
 from dtl import simulate
+from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.state import storage_key
@@ -210,57 +211,68 @@ class PipelineRunner:
         last = self._stage(self.v - 1) == self.n_stages - 1
         return (self.loss if last else None), rec
 
+    def _recv(self, src_stage: int, dst_stage: int, mb: int) -> torch.Tensor:
+        """A (B_mb, T, C) tensor from src_stage's rank to this rank's dst_stage: an activation
+        (src = dst - 1) or a gradient (src = dst + 1). Blocks until it has arrived."""
+        buf, backward = self._hidden(), src_stage > dst_stage
+        with dtl_profile.range(f"recv {self._name}"):
+            dist.irecv(
+                buf,
+                src=self._rank_of(src_stage),
+                group=self._lane(src_stage, dst_stage),
+                tag=self._tag(mb, dst_stage, backward),
+            ).wait()
+        self._t_ready = _done(buf.device)  # the action's span starts once its input is here
+        return buf
+
+    def _send(self, t: torch.Tensor, src_stage: int, dst_stage: int, mb: int) -> None:
+        """Post `t` from this rank's src_stage to dst_stage's rank (isend: waited at step end)."""
+        with dtl_profile.range(f"send {self._name}"):
+            self.sends.append(
+                dist.isend(
+                    t.contiguous(),
+                    dst=self._rank_of(dst_stage),
+                    group=self._lane(src_stage, dst_stage),
+                    tag=self._tag(mb, dst_stage, dst_stage < src_stage),
+                )
+            )
+
+    @exercise("day20.forward_step")
     def _F(self, mb: int, chunk: int) -> None:
+        """Forward micro-batch `mb` through this rank's chunk `chunk` (stage self._stage(chunk)).
+        Stage 0 reads the tokens self.batches[mb][0]; every other stage receives the previous
+        stage's output (self._recv). The last stage turns its logits into this micro-batch's
+        share of the step's loss, the mean over the self.m micro-batches (targets:
+        self.batches[mb][1]; self.loss sums the shares, read by simulate.item); every other stage
+        sends its output on (self._send). Left for B, I and W under (mb, chunk): self.inputs, the
+        stage's input, whose .grad B sends back; self.outputs, what the backward starts from."""
         stage, model = self._stage(chunk), self.stages[chunk]
+        # exercise day20.forward_step: begin
         if stage == 0:
             x = self.batches[mb][0]
-        else:  # (B_mb, T, C) activations from the previous stage
-            x = self._hidden()
-            src, tag = self._rank_of(stage - 1), self._tag(mb, stage, False)
-            with dtl_profile.range(f"recv {self._name}"):
-                dist.irecv(x, src=src, group=self._lane(stage - 1, stage), tag=tag).wait()
-            self._t_ready = _done(x.device)
+        else:  # (B_mb, T, C) activations from the previous stage, a leaf that collects dL/dx
+            x = self._recv(stage - 1, stage, mb)
             x.requires_grad_()
         out = model(x)
         self.inputs[(mb, chunk)] = x
         if stage == self.n_stages - 1:
             out = self.loss_fn(out, self.batches[mb][1]) / self.m  # mean over micro-batches
             self.loss += simulate.item(out)  # (nan under dtl.simulate: no values there)
-        else:
-            with dtl_profile.range(f"send {self._name}"):
-                self.sends.append(
-                    dist.isend(
-                        out.detach().contiguous(),
-                        dst=self._rank_of(stage + 1),
-                        group=self._lane(stage, stage + 1),
-                        tag=self._tag(mb, stage + 1, False),
-                    )
-                )
+        else:  # detached: the graph stays on this rank, B sends dL/d(output) back
+            self._send(out.detach(), stage, stage + 1, mb)
         self.outputs[(mb, chunk)] = out
+        # exercise day20.forward_step: end
 
     def _grad_of_output(self, mb: int, chunk: int) -> torch.Tensor | None:
         stage = self._stage(chunk)
         if stage == self.n_stages - 1:
             return None  # the loss: backward starts here
-        g = self._hidden()
-        src, tag = self._rank_of(stage + 1), self._tag(mb, stage, True)
-        with dtl_profile.range(f"recv {self._name}"):
-            dist.irecv(g, src=src, group=self._lane(stage + 1, stage), tag=tag).wait()
-        self._t_ready = _done(g.device)
-        return g
+        return self._recv(stage + 1, stage, mb)
 
     def _send_input_grad(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
         stage = self._stage(chunk)
         if stage > 0:
-            with dtl_profile.range(f"send {self._name}"):
-                self.sends.append(
-                    dist.isend(
-                        grad.contiguous(),
-                        dst=self._rank_of(stage - 1),
-                        group=self._lane(stage, stage - 1),
-                        tag=self._tag(mb, stage - 1, True),
-                    )
-                )
+            self._send(grad, stage, stage - 1, mb)
 
     def _B(self, mb: int, chunk: int) -> None:
         out, x = self.outputs.pop((mb, chunk)), self.inputs.pop((mb, chunk))

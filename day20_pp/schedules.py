@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from dtl.exercise_seam import exercise
+
 
 class Action(NamedTuple):
     kind: str  # "F", "B", "I" or "W"
@@ -90,19 +92,25 @@ def gpipe(p: int, m: int) -> Schedule:
     return Schedule([list(acts) for _ in range(p)], Placement(p))
 
 
+@exercise("day20.one_f_one_b")
 def one_f_one_b(p: int, m: int) -> Schedule:
+    """Megatron's 1F1B, rank r's list: forwards until the first backward can come back, then one
+    forward / one backward (the oldest), then the rest: at most min(p - r, m) in flight."""
     _check(p, m)
     out = []
     for r in range(p):
+        # exercise day20.one_f_one_b: begin
         warmup = min(p - r - 1, m)
         acts = [Action("F", i) for i in range(warmup)]
         for i in range(m - warmup):  # steady state: the forward of i + warmup, the backward of i
             acts += [Action("F", warmup + i), Action("B", i)]
         acts += [Action("B", i) for i in range(m - warmup, m)]
+        # exercise day20.one_f_one_b: end
         out.append(acts)
     return Schedule(out, Placement(p))
 
 
+@exercise("day20.interleaved")
 def interleaved(p: int, m: int, v: int) -> Schedule:
     """Megatron's interleaved 1F1B (schedules.py, forward_backward_pipelining_with_interleaving):
     virtual micro-batch k runs chunk (k // p) % v on micro-batch (k // (p·v))·p + k % p;
@@ -112,8 +120,9 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
         raise ScheduleError(f"interleaved needs v >= 1 model chunks per rank, got {v}")
     if m % p:
         raise ScheduleError(f"interleaved needs micro-batches m={m} to be a multiple of p={p}")
-    total = m * v
+    total = m * v  # virtual micro-batches: (micro-batch, chunk) pairs
 
+    # exercise day20.interleaved: begin
     def unit(k: int, forward: bool) -> tuple[int, int]:
         chunk = (k // p) % v
         return (k // (p * v)) * p + k % p, chunk if forward else v - 1 - chunk
@@ -126,6 +135,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
             acts += [Action("F", *unit(warmup + k, True)), Action("B", *unit(k, False))]
         acts += [Action("B", *unit(k, False)) for k in range(total - warmup, total)]
         out.append(acts)
+    # exercise day20.interleaved: end
     return Schedule(out, Placement(p, v))
 
 
@@ -135,8 +145,8 @@ def zero_bubble(p: int, m: int) -> Schedule:
     keeps 1F1B's order of F and I; a W runs when the next F or I cannot start yet (its input
     has not arrived), when a forward would make more than p micro-batches hold activations
     (the H1 memory bound: 1F1B's peak, reached on its first stage; a W releases one), or at
-    the end. Played with unit costs F = I = W = 1, so the W's land
-    exactly in the slots where 1F1B waits: the bubble drops from 3(p-1) to (p-1) units."""
+    the end. Played with unit costs F = I = W = 1, so the W's land exactly in the slots where
+    1F1B waits: the bubble drops from 3(p-1) to (p-1) units."""
     _check(p, m)
     order = [
         [Action("I", a.mb) if a.kind == "B" else a for a in acts] for acts in one_f_one_b(p, m)
@@ -178,9 +188,8 @@ def _zb_ready(a: Action, r: int, p: int, t: int, done) -> bool:
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    """A schedule the course knows: how to build its lists, its textbook bubble, and whether it
-    takes v model chunks per rank. Adding a schedule is one entry here (and its builder above);
-    the tests run every entry."""
+    """A schedule the course knows: its builder, its textbook bubble, whether it takes v model
+    chunks per rank. A new schedule is one entry here (and its builder); the tests run each."""
 
     build: Callable[..., Schedule]  # (p, m), or (p, m, v) when chunks
     bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle fraction
@@ -304,8 +313,7 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
 
 def ascii_timeline(tl: Timeline, unit: float = 1.0) -> str:
     """One row per rank, one 3-character cell per time unit: the action's kind and micro-batch
-    (`F3`, `B0`, `I2`, `W1`; the chunk is not shown), repeated over its duration; ' . ' marks
-    idle time."""
+    (`F3`, `B0`, `I2`, `W1`; not the chunk), repeated over its duration; ' . ' marks idle."""
     width = int(round(tl.makespan / unit))
     rows = []
     for r, spans in enumerate(tl.spans):

@@ -39,52 +39,60 @@ def _cases():
             yield p, m
 
 
-def test_every_schedule_is_complete_ordered_deadlock_free_and_has_the_formula_bubble():
+def _check_lists(name, v):
+    """Schedule `name`'s lists for every (p, m) of _cases it takes: complete and ordered (each
+    (chunk, micro-batch) has exactly one F and either one B or one I and one W, all after the F),
+    free of deadlock (simulate raises Deadlock if the lists wait on each other), exactly as idle
+    as the formula, and between any two ranks the messages are received in the order they are
+    sent (what NCCL, which ignores tags, relies on). Returns each (p, m)'s peaks in flight."""
+    peaks = {}
     for p, m in _cases():
-        for name, v in RUNS:
-            if name == "interleaved" and m % p:
-                continue
-            sched = schedules.make(name, p, m, v)
-            tl = schedules.simulate(sched, v=v)  # raises Deadlock if the lists wait on each other
-            for r, acts in enumerate(sched):
-                seen = {}
-                for i, a in enumerate(acts):
-                    seen.setdefault((a.kind, a.chunk, a.mb), []).append(i)
-                for c in range(v):
-                    for mb in range(m):
-                        (f,) = seen[("F", c, mb)]  # exactly one forward per micro-batch
-                        backs = [
-                            k for k in ("B", "I", "W") if ("B" if k == "B" else k, c, mb) in seen
-                        ]
-                        assert backs in (["B"], ["I", "W"]), (name, p, m, r, c, mb, backs)
-                        assert all(len(seen[(k, c, mb)]) == 1 for k in backs)
-                        assert all(f < i for k in backs for i in seen[(k, c, mb)])
-            assert tl.bubble == pytest.approx(schedules.bubble_formula(name, p, m, v), abs=1e-12), (
-                name,
-                p,
-                m,
-            )
+        if schedules.SCHEDULES[name].chunks and m % p:
+            continue
+        sched = schedules.make(name, p, m, v)
+        tl = schedules.simulate(sched, v=v)
+        for r, acts in enumerate(sched):
+            seen = {}
+            for i, a in enumerate(acts):
+                seen.setdefault((a.kind, a.chunk, a.mb), []).append(i)
+            for c in range(v):
+                for mb in range(m):
+                    (f,) = seen[("F", c, mb)]  # exactly one forward per micro-batch
+                    backs = [k for k in ("B", "I", "W") if (k, c, mb) in seen]
+                    assert backs in (["B"], ["I", "W"]), (name, p, m, r, c, mb, backs)
+                    assert all(len(seen[(k, c, mb)]) == 1 for k in backs)
+                    assert all(f < i for k in backs for i in seen[(k, c, mb)])
+        formula = schedules.bubble_formula(name, p, m, v)
+        assert tl.bubble == pytest.approx(formula, abs=1e-12), (name, p, m, v)
+        for pair, (sent, received) in schedules.message_orders(sched, v).items():
+            assert sent == received, (name, p, m, v, pair)
+        peaks[(p, m)] = tl.peak_in_flight()
+    return peaks
 
 
-def test_between_any_two_ranks_messages_are_received_in_the_order_they_are_sent():
-    """What NCCL needs (it ignores tags): true for all four schedules, p 2..8, m p..4p."""
-    for p, m in _cases():
-        for name, v in RUNS:
-            if name == "interleaved" and m % p:
-                continue
-            for pair, (sent, received) in schedules.message_orders(
-                schedules.make(name, p, m, v), v
-            ).items():
-                assert sent == received, (name, p, m, pair)
+def test_the_1f1b_lists_are_complete_deadlock_free_as_idle_as_the_formula_and_hold_p_minus_r():
+    for (p, m), peaks in _check_lists("1f1b", 1).items():
+        assert peaks == [min(p - r, m) for r in range(p)], (p, m, peaks)
 
 
-def test_peak_micro_batches_holding_activations():
-    for p, m in _cases():
-        assert schedules.simulate(schedules.gpipe(p, m)).peak_in_flight() == [m] * p
-        assert schedules.simulate(schedules.one_f_one_b(p, m)).peak_in_flight() == [
-            min(p - r, m) for r in range(p)
-        ]
-        assert max(schedules.simulate(schedules.zero_bubble(p, m)).peak_in_flight()) <= p
+def test_the_interleaved_lists_are_complete_deadlock_free_and_as_idle_as_the_formula():
+    for v in (2, 3):
+        for (p, m), peaks in _check_lists("interleaved", v).items():
+            # at most Megatron's warm-up + 1 (p, m, v = 4, 8, 2: [11, 9, 7, 5]); all at m = p
+            most = [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+            most = [m * v] * p if m == p else most
+            assert all(g <= w for g, w in zip(peaks, most)), (p, m, v, peaks, most)
+
+
+def test_every_other_schedule_is_complete_deadlock_free_and_as_idle_as_the_formula():
+    for name, v in RUNS:
+        if name in ("1f1b", "interleaved"):  # their own tests above
+            continue
+        for (p, m), peaks in _check_lists(name, v).items():
+            if name == "gpipe":
+                assert peaks == [m] * p, (p, m, peaks)
+            if name == "zb":
+                assert max(peaks) <= p, (p, m, peaks)
 
 
 def test_a_wrong_schedule_is_caught_as_a_deadlock():
@@ -115,9 +123,13 @@ def _pipeline_runs(pp, dp):
     grid = ParallelGrid(pp=pp, dp=dp)
     out = {}
     for name, v in RUNS:
+        try:
+            actions = schedules.make(name, pp, M, v)[grid.pp_rank]
+        except NotImplementedError as e:  # a started exercise's stub: the other schedules run
+            out[name] = str(e)
+            continue
         stages = build_stages(CFG, grid, v)
         runner = PipelineRunner(stages, grid, CFG, (B, T))
-        actions = schedules.make(name, pp, M, v)[grid.pp_rank]
         params = stage_parameters(stages)
         opt = torch.optim.SGD(list(params.values()), lr=0.5)
         losses, grads, peak = [], None, None
@@ -139,6 +151,8 @@ def _pipeline_runs(pp, dp):
             params={n: p.detach().clone() for n, p in params.items()},
         )
     # apply_pp (what day 22 composes) on an existing model: the same first-step gradients
+    if isinstance(out["1f1b"], str):
+        return out
     pipe = apply_pp(GPT(CFG, seed=0), grid, "1f1b", M, (B, T))
     pipe.step(_micro_batches(0, grid.dp_rank, dp))
     for p in pipe.parameters():
@@ -206,6 +220,17 @@ def _tp_then_pp():
     return out
 
 
+def _built(ranks, names):
+    """The schedules among `names` whose lists the runs built. A stubbed builder (a started
+    exercise) left its message instead; _no_stubs fails the test on it once the rest is checked."""
+    return [n for n in names if not isinstance(ranks[0][n], str)]
+
+
+def _no_stubs(ranks):
+    stubbed = sorted({res for res in ranks[0].values() if isinstance(res, str)})
+    assert not stubbed, stubbed
+
+
 def _all_runs(pp, dp):
     out = _pipeline_runs(pp, dp)
     if dp == 1:
@@ -249,10 +274,29 @@ def _reference(dp):
     return losses, grads, params
 
 
+def _gpipe_step_on_two_ranks():
+    """One GPipe step (no exercise's list) on 2 stages: the loss and this rank's gradients."""
+    grid = ParallelGrid(pp=2)
+    stages = build_stages(CFG, grid, 1)
+    runner = PipelineRunner(stages, grid, CFG, (B, T))
+    loss, _ = runner.step(schedules.gpipe(2, M)[grid.pp_rank], _micro_batches(0))
+    return loss, {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
+
+
+def test_the_forward_step_on_two_ranks_gives_the_one_process_loss_and_gradients():
+    (loss0, grads0), (loss1, grads1) = run_distributed(_gpipe_step_on_two_ranks, world_size=2)
+    ref_losses, ref_grads, _ = _reference(1)
+    assert loss0 is None, "only the last stage computes the loss"
+    torch.testing.assert_close(loss1, ref_losses[0], rtol=1e-6, atol=0)  # the mean over m
+    assert {**grads0, **grads1}.keys() == ref_grads.keys()
+    for n, g in {**grads0, **grads1}.items():
+        torch.testing.assert_close(g, ref_grads[n], **GRAD_TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs):
     pp, dp, ranks = runs
     ref_losses, ref_grads, ref_params = _reference(dp)
-    for name, _ in RUNS:
+    for name in _built(ranks, [name for name, _ in RUNS]):
         grads, params = {}, {}
         for res in ranks:
             grads.update(res[name]["grads"])
@@ -271,12 +315,13 @@ def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs
                 atol=1e-6,
                 msg=lambda m, n=n, s=name: f"{s} {n}: {m}",
             )
+    _no_stubs(ranks)
 
 
 @pytest.mark.parametrize("runs", [(2, 1), (4, 1)], ids=["pp2", "pp4"], indirect=True)
 def test_torch_pipelining_schedules_give_the_same_gradients_as_ours(runs):
     pp, dp, ranks = runs
-    for name in ("gpipe", "1f1b", "interleaved"):
+    for name in _built(ranks, ("gpipe", "1f1b", "interleaved")):
         theirs, ours = {}, {}
         for res in ranks:
             theirs.update(res["torch"][name])
@@ -286,10 +331,12 @@ def test_torch_pipelining_schedules_give_the_same_gradients_as_ours(runs):
             torch.testing.assert_close(
                 theirs[n], ours[n], **GRAD_TOL, msg=lambda m, n=n, s=name: f"{s} {n}: {m}"
             )
+    _no_stubs(ranks)
 
 
 def test_apply_pp_on_an_existing_model_gives_the_same_gradients(runs):
     _, _, ranks = runs
+    _no_stubs(ranks)
     for res in ranks:
         for n, g in res["apply_pp"].items():
             torch.testing.assert_close(g, res["1f1b"]["grads"][n], rtol=0, atol=0)
@@ -299,6 +346,8 @@ def test_the_runtime_counts_the_in_flight_micro_batches_the_lists_promise(runs):
     pp, dp, ranks = runs
     first_pipeline = ranks[::dp]  # ranks 0, dp, 2dp, ...: stages 0..pp-1 of DP replica 0
     for name, v in RUNS:
+        if name not in _built(ranks, [name]):
+            continue
         want = schedules.simulate(schedules.make(name, pp, M, v), v=v).peak_in_flight()
         got = [res[name]["peak"] for res in first_pipeline]
         assert got == want, (name, got, want)
@@ -306,6 +355,7 @@ def test_the_runtime_counts_the_in_flight_micro_batches_the_lists_promise(runs):
             assert got == [M] * pp
         if name == "1f1b":
             assert max(got) <= pp
+    _no_stubs(ranks)
 
 
 # --- bad input ----------------------------------------------------------------------------------
