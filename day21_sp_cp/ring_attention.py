@@ -46,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dtl import profile as dtl_profile
 from dtl.data import cp_chunks
+from dtl.exercise_seam import exercise
 from dtl.precision import at_least_fp32
 
 KV_TAG, DKV_TAG = 21, 22  # gloo matches p2p messages by tag; NCCL ignores tags (the order holds)
@@ -119,13 +120,22 @@ def _block_forward(q, k, v, scale, diagonal):
     return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
 
 
+@exercise("day21.merge")
 def _merge(out, lse, out_b, lse_b):
-    """Fold a block's (out_b, lse_b) into the running (out, lse); None means nothing yet."""
+    """Fold a block's (out_b, lse_b) into the running (out, lse); None means nothing yet.
+
+    out, out_b: (B, nh, Tq, hs), each softmax(S) V over its own keys only; lse, lse_b: (B, nh,
+    Tq), the log-sum-exp of those keys' scores per query row. Returns the same pair over the
+    union of both sets of keys, exactly: each output weighted by the share of the whole row's
+    exp-sum its keys hold (the module docstring's two lines), with no exp of an lse on its own
+    (scores in the hundreds overflow it)."""
     if out is None:
         return out_b, lse_b
+    # exercise day21.merge: begin
     new = torch.logaddexp(lse, lse_b)
     out = out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
     return out, new
+    # exercise day21.merge: end
 
 
 # --- the ring ---------------------------------------------------------------------------------
@@ -219,6 +229,7 @@ def _wait(requests, stats, device):
 
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
+    @exercise("day21.ring_forward")
     def forward(ctx, q, k, v, group, split, causal, stats):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         steps = ring_pairs(rank, cp, split, causal)
@@ -228,7 +239,14 @@ class RingAttentionFunction(torch.autograd.Function):
         qs = q.to(acc).chunk(n, dim=2)
         outs, lses = [None] * n, [None] * n
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs): K and V travel as one message
+        # Each step, in this order: (1) unless it is the last, post the transfer: kv to the next
+        # rank, the previous rank's into a new buffer (_ring_send_recv, KV_TAG); (2) under
+        # _Clock(stats, "compute_s", q.device) and _Flops(stats), fold each of the step's pairs
+        # (query part a, key part b, kind) into outs[a], lses[a]: kv cast to acc and cut in n
+        # parts along the sequence, _block_forward (its mask on a "diagonal" pair) and _merge,
+        # one counted.blocks per product run; (3) _wait for the transfer, and take its buffer.
         for step, (_, pairs) in enumerate(steps):
+            # exercise day21.ring_forward: begin
             if step < cp - 1:  # the next block is on its way while this one computes
                 next_kv, requests = _ring_send_recv(kv, group, KV_TAG)
             with _Clock(stats, "compute_s", q.device), _Flops(stats) as counted:
@@ -240,6 +258,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 _wait(requests, stats, q.device)
                 kv = next_kv
+            # exercise day21.ring_forward: end
         out, lse = (
             torch.cat(outs, dim=2),
             torch.cat(lses, dim=2),

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtl import profile as dtl_profile
+from dtl.exercise_seam import exercise
 
 
 class UlyssesError(ValueError):
@@ -39,24 +40,36 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+@exercise("day21.ulysses_all_to_all")
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, nh, T/cp, hs) my tokens of every head -> (B, nh/cp, T, hs) every token of my heads."""
+    """(B, nh, T/cp, hs) my tokens of every head -> (B, nh/cp, T, hs) every token of my heads.
+
+    Rank j's heads are the j-th run of nh/cp (heads j·nh/cp to (j+1)·nh/cp - 1); rank i holds
+    tokens i·T/cp to (i+1)·T/cp - 1 (the contiguous split), so the pieces received, laid end
+    to end in rank order along the sequence, are the whole sequence in order."""
     cp = dist.get_world_size(group)
     B, nh, t, hs = x.shape
     if nh % cp:
         raise UlyssesError(f"{nh} heads do not split over cp {cp} (Ulysses needs heads % cp == 0)")
+    # all-to-all: my tokens of rank j's heads go to rank j; rank i's tokens of my heads come back
+    # exercise day21.ulysses_all_to_all: begin
     pieces = x.reshape(B, cp, nh // cp, t, hs).transpose(0, 1)  # (cp, B, nh/cp, T/cp, hs)
     got = _all_to_all(pieces, group)  # piece i: rank i's tokens of my heads
     return got.permute(1, 2, 0, 3, 4).reshape(B, nh // cp, cp * t, hs)
+    # exercise day21.ulysses_all_to_all: end
 
 
+@exercise("day21.ulysses_all_to_all")
 def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     """The inverse: (B, nh/cp, T, hs) every token of my heads -> (B, nh, T/cp, hs)."""
     cp = dist.get_world_size(group)
     B, h, T, hs = y.shape
+    # all-to-all: rank i's tokens of my heads go to rank i; my tokens of rank j's heads come back
+    # exercise day21.ulysses_all_to_all: begin
     pieces = y.reshape(B, h, cp, T // cp, hs).permute(2, 0, 1, 3, 4)  # (cp, B, nh/cp, T/cp, hs)
     got = _all_to_all(pieces, group)  # piece i: my tokens of rank i's heads
     return got.transpose(0, 1).reshape(B, cp * h, T // cp, hs)
+    # exercise day21.ulysses_all_to_all: end
 
 
 class SeqToHeads(torch.autograd.Function):

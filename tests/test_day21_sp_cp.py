@@ -2,7 +2,10 @@
 model, communication and activation memory vs the formulas, and DeepSpeed's Ulysses and
 megatron-core's sequence-parallel layers on the same weights.
 
-One spawn per world size (2 and 4 ranks); each rank builds several grids in it.
+Each part runs its own processes, once per world size (2 and 4 ranks), from inside the first
+test that asks for it (`_on_ranks`): the ring, Ulysses, the SP layouts, the CP GPT and the 2-D
+grids (one part with the ring, one with Ulysses), activation memory, each library. A part whose
+code raises fails the tests that read it and no other: a stubbed ring leaves Ulysses and SP green.
 
 Reference: full attention (F.scaled_dot_product_attention) and the dense GPT in one process,
 same seeds and data. Tolerances: attention in fp64 rtol 1e-10, atol 1e-12 (measured ~1e-15: the
@@ -13,6 +16,8 @@ day 19's bound lr·delta/(4 eps) for a rounding difference delta ~ 1e-8).
 """
 
 import dataclasses
+import functools
+import math
 
 import pytest
 import torch
@@ -33,6 +38,8 @@ from day21_sp_cp import formulas
 from day21_sp_cp.cp import CPError, apply_cp, check_cp, cp_batch
 from day21_sp_cp.ring_attention import (
     RingStats,
+    _block_forward,
+    _merge,
     attention_work,
     imbalance,
     ring_attention,
@@ -44,13 +51,13 @@ from day21_sp_cp.sp import (
     apply_sp,
     replicated_parameters,
 )
-from day21_sp_cp.ulysses import UlyssesAttention
+from day21_sp_cp.ulysses import UlyssesAttention, heads_to_seq, seq_to_heads
 from dtl.comm import CommCounter
 from dtl.data import cp_shard, cp_unshard
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.reference import reference_train
-from dtl.testing import run_distributed, script_error
+from dtl.testing import needs_extras, run_distributed, script_error
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=256)
 B, T, K = 2, 16, 3
@@ -77,15 +84,27 @@ def _qkv_do(dtype):
     return [_rand(*shape, seed=s, dtype=dtype) for s in (1, 2, 3, 4)]
 
 
-# --- what each rank runs ------------------------------------------------------------------------
+# --- the parts, each run on its own ranks -------------------------------------------------------
+
+WORLDS = pytest.mark.parametrize("n", [2, 4], ids=["world2", "world4"])
 
 
-def _attention(grid):
-    """Every case, both dtypes: this rank's output and dQ, dK, dV shards; the bytes it sent
-    forward and backward; the blocks it computed."""
+@functools.cache
+def _on_ranks(part, n: int) -> list:
+    """`part(n)`'s per-rank results on n ranks, run by the first test that asks and kept for the
+    others. Not a fixture: a rank that raises fails each test that asks (and runs it again), where
+    a fixture's error would only mark them errors."""
+    return run_distributed(part, n, world_size=n, timeout_s=300)
+
+
+def _attention_cases(attn, grid):
+    """Every case of `attn`, both dtypes: this rank's output and dQ, dK, dV shards; the bytes it
+    sent forward and backward; the blocks it computed."""
     g, cp, r = grid.cp_group, grid.cp_size, grid.cp_rank
     out = {}
-    for attn, split, causal in CASES:
+    for name, split, causal in CASES:
+        if name != attn:
+            continue
         for dtype in FP:
             q, k, v, do = (cp_shard(t, r, cp, split, dim=2) for t in _qkv_do(dtype))
             q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -97,12 +116,38 @@ def _attention(grid):
                     o = UlyssesAttention(g, causal)(q, k, v)
             with CommCounter(group=g) as bwd:
                 o.backward(do)
-            out[attn, split, causal, dtype] = dict(
+            out[split, causal, dtype] = dict(
                 grads=[t.detach() for t in (o, q.grad, k.grad, v.grad)],
                 sent=[c.ring_bytes_per_rank() for c in (fwd, bwd)],
                 blocks=stats.blocks,
                 flops=stats.flops,
             )
+    return out
+
+
+RING_RANGES = ("send/recv ring", "ring.compute_s", "ring.wait_s")  # dtl.profile names
+
+
+def _ring(n):
+    """Ring attention at cp = n: every case, and the named ranges of one zig-zag forward in the
+    order they opened (torch.profiler on this rank's CPU)."""
+    grid = ParallelGrid(cp=n)
+    out = dict(cases=_attention_cases("ring", grid))
+    q, k, v, _ = (cp_shard(t, grid.cp_rank, n, "zigzag", dim=2) for t in _qkv_do(torch.float64))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ring_attention(q, k, v, grid.cp_group, "zigzag", True)
+    opened = sorted((e.time_range.start, e.name) for e in prof.events() if e.name in RING_RANGES)
+    out["schedule"] = [name for _, name in opened]
+    return out
+
+
+def _ulysses(n):
+    """Ulysses at cp = n: every case, and one tensor through seq_to_heads and back."""
+    grid = ParallelGrid(cp=n)
+    out = dict(cases=_attention_cases("ulysses", grid))
+    x = cp_shard(_qkv_do(torch.float64)[0], grid.cp_rank, n, "contiguous", dim=2)
+    heads = seq_to_heads(x, grid.cp_group)
+    out["layout"] = (heads, heads_to_seq(heads, grid.cp_group))
     return out
 
 
@@ -194,8 +239,9 @@ def _gather_seq(x, group):
     return torch.cat(parts, dim=1)
 
 
-def _activations(grid_tp, grid_cp):
+def _activations(n):
     """Saved bytes of one block per rank: TP, TP + SP, CP (ring) and CP (Ulysses), each s."""
+    grid_tp, grid_cp = ParallelGrid(tp=n), ParallelGrid(cp=n)
     b, h, a = ACT["b"], ACT["h"], ACT["a"]
     out = {}
     for s in ACT["seqs"]:
@@ -218,9 +264,9 @@ def _activations(grid_tp, grid_cp):
     return out
 
 
-def _deepspeed_ulysses(grid):
+def _deepspeed_ulysses(n):
     """DeepSpeed's DistributedAttention (batch-first: scatter heads, gather sequence) and ours on
-    the same shards: outputs and input gradients."""
+    the same shards at cp = n: outputs and input gradients."""
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -230,6 +276,7 @@ def _deepspeed_ulysses(grid):
         y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         return y.transpose(1, 2)
 
+    grid = ParallelGrid(cp=n)
     g, cp, r = grid.cp_group, grid.cp_size, grid.cp_rank
     q, k, v, do = (cp_shard(t, r, cp, "contiguous", dim=2) for t in _qkv_do(torch.float64))
     res = {}
@@ -245,13 +292,14 @@ def _deepspeed_ulysses(grid):
     return res
 
 
-def _megatron_sp(grid):
+def _megatron_sp(n):
     """megatron-core's ColumnParallelLinear -> RowParallelLinear with sequence_parallel=True
-    ([s/t, b, h] in and out) and ours, same shards: output, dX, dW."""
+    ([s/t, b, h] in and out) and ours, same shards at tp = n: output, dX, dW."""
     from megatron.core import tensor_parallel as mtp
 
     import dtl.megatron as dm
 
+    grid = ParallelGrid(tp=n)
     g, t, r = grid.tp_group, grid.tp_size, grid.tp_rank
     w1, w2 = _rand(16, 8, seed=2), _rand(8, 16, seed=5)
     x = _rand(8, 3, 8, seed=1)  # [s, b, h], megatron's layout; my s/t rows below
@@ -301,44 +349,90 @@ def _megatron_sp(grid):
     return out
 
 
-def _world_body(world_size):
-    grid_cp = ParallelGrid(cp=world_size)
-    grid_tp = ParallelGrid(tp=world_size)
-    out = {
-        "attention": _attention(grid_cp),
-        "activations": _activations(grid_tp, grid_cp),
-    }
-    if world_size == 2:  # the libraries, once (their cost is start-up, not the world size)
-        out["deepspeed"] = _deepspeed_ulysses(grid_cp)
-        out["megatron"] = _megatron_sp(grid_tp)
-    for save_gathered in (False, True):
-        out["sp_block", save_gathered] = _sp_block(grid_tp, save_gathered)
+def _sp(n):
+    """The SP layouts at tp = n, no CP: one block, TP against TP + SP, both save_gathered; the
+    TP GPT and the TP + SP GPT (SGD, AdamW, SGD with full recomputation)."""
+    grid = ParallelGrid(tp=n)
+    out = {("sp_block", save): _sp_block(grid, save) for save in (False, True)}
     for opt_name in ("sgd", "adamw"):
-        out["cp", "ring_zigzag", opt_name] = _train(grid_cp, "ring_zigzag", opt_name)
-        out["tp_sp", opt_name] = _train(grid_tp, "ring", opt_name, (True, True))
-    out["cp", "ring", "sgd"] = _train(grid_cp, "ring", "sgd")
-    out["cp", "ulysses", "sgd"] = _train(grid_cp, "ulysses", "sgd")
-    out["tp", "sgd"] = _train(grid_tp, "ring", "sgd", (True, False))
-    # recomputation: SP's collectives and ring attention's p2p run again inside backward
-    out["tp_sp", "full", "sgd"] = _train(grid_tp, "ring", "sgd", (True, True), recompute="full")
-    out["cp", "ring_zigzag", "selective", "sgd"] = _train(
-        grid_cp, "ring_zigzag", "sgd", recompute="selective"
-    )
-    if world_size == 4:  # the 2-D grids: CP x DP and CP x TP + SP
-        out["cp_dp", "sgd"] = _train(ParallelGrid(cp=2, dp=2), "ring_zigzag", "sgd")
-        grid = ParallelGrid(cp=2, tp=2)
-        out["cp_tp_sp", "sgd"] = _train(grid, "ring_zigzag", "sgd", (True, True))
-        out["cp_tp_sp_ulysses", "sgd"] = _train(grid, "ulysses", "sgd", (True, True))
+        out["tp_sp", opt_name] = _train(grid, "ring", opt_name, (True, True))
+    out["tp", "sgd"] = _train(grid, "ring", "sgd", (True, False))
+    # recomputation: SP's collectives run again inside backward
+    out["tp_sp", "full", "sgd"] = _train(grid, "ring", "sgd", (True, True), recompute="full")
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def world(request):
-    n = request.param
-    return n, run_distributed(_world_body, n, world_size=n, timeout_s=300)
+def _cp_ring(n):
+    """The CP GPT at cp = n with ring attention: zig-zag (SGD, AdamW, SGD with selective
+    recomputation: its K/V ring runs again inside backward) and contiguous."""
+    grid = ParallelGrid(cp=n)
+    out = {("cp", "ring_zigzag", o): _train(grid, "ring_zigzag", o) for o in ("sgd", "adamw")}
+    out["cp", "ring", "sgd"] = _train(grid, "ring", "sgd")
+    out["cp", "ring_zigzag", "selective", "sgd"] = _train(
+        grid, "ring_zigzag", "sgd", recompute="selective"
+    )
+    return out
 
 
-# --- attention ----------------------------------------------------------------------------------
+def _cp_ulysses(n):
+    """The CP GPT at cp = n with Ulysses."""
+    return {("cp", "ulysses", "sgd"): _train(ParallelGrid(cp=n), "ulysses", "sgd")}
+
+
+def _grids_2d_ring(n):
+    """The 2-D grids at 4 ranks with the zig-zag ring: CP 2 x DP 2 and CP 2 x TP 2 + SP."""
+    return {
+        ("cp_dp", "sgd"): _train(ParallelGrid(cp=2, dp=2), "ring_zigzag", "sgd"),
+        ("cp_tp_sp", "sgd"): _train(ParallelGrid(cp=2, tp=2), "ring_zigzag", "sgd", (True, True)),
+    }
+
+
+def _grids_2d_ulysses(n):
+    """CP 2 x TP 2 + SP with Ulysses, at 4 ranks."""
+    grid = ParallelGrid(cp=2, tp=2)
+    return {("cp_tp_sp_ulysses", "sgd"): _train(grid, "ulysses", "sgd", (True, True))}
+
+
+def _gpt(n, key):
+    """The run `key` names on each of n ranks, from the part that holds it: SP alone, or CP with
+    the ring or with Ulysses (a broken ring leaves Ulysses' runs green, and the reverse)."""
+    ulysses = "ulysses" in key[0] or "ulysses" in key
+    if key[0] in ("tp", "tp_sp"):
+        part = _sp
+    elif key[0] == "cp":
+        part = _cp_ulysses if ulysses else _cp_ring
+    else:
+        part = _grids_2d_ulysses if ulysses else _grids_2d_ring
+    return [res[key] for res in _on_ranks(part, n)]
+
+
+# --- merging partial results (day21.merge) -----------------------------------------------------
+
+
+def test_merging_key_blocks_by_their_log_sum_exp_equals_softmax_over_all_keys():
+    """One process: the keys cut into blocks of 5, 3 and 8, each block's (out, lse) from
+    _block_forward folded in by _merge, in both orders, equal softmax(q k^T s) v over all 16 keys
+    and its row log-sum-exp. fp64. With the scores scaled by 300 some lse pass 709, where exp in
+    fp64 overflows: only a merge through differences of lse holds there."""
+    q, k, v, _ = _qkv_do(torch.float64)
+    scale = 1.0 / math.sqrt(ATT["hs"])
+    blocks = [slice(0, 5), slice(5, 8), slice(8, 16)]
+    for sharp in (1.0, 300.0):
+        s = (sharp * q @ k.transpose(-2, -1)) * scale
+        want = torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+        for order in (blocks, blocks[::-1]):
+            out = lse = None
+            for b in order:
+                part = _block_forward(sharp * q, k[:, :, b], v[:, :, b], scale, False)
+                out, lse = _merge(out, lse, *part)
+            case = f"scores x{sharp:g}, blocks from keys {[b.start for b in order]}"
+            for what, got, w in (("output", out, want[0]), ("lse", lse, want[1])):
+                torch.testing.assert_close(
+                    got, w, **FP[torch.float64], msg=lambda m, c=f"{case}, {what}": f"{c}: {m}"
+                )
+
+
+# --- ring attention (day21.ring_forward) --------------------------------------------------------
 
 
 def _full_attention(dtype, causal):
@@ -349,13 +443,12 @@ def _full_attention(dtype, causal):
     return [o.detach(), q.grad, k.grad, v.grad]
 
 
-def test_ring_and_ulysses_equal_full_attention_output_dq_dk_dv_fp32_and_fp64(world):
-    cp, ranks = world
-    for attn, split, causal in CASES:
+def _assert_equals_full_attention(attn, ranks):
+    for _, split, causal in (c for c in CASES if c[0] == attn):
         for dtype, tol in FP.items():
             want = _full_attention(dtype, causal)
             for i, what in enumerate(("output", "dQ", "dK", "dV")):
-                shards = [res["attention"][attn, split, causal, dtype]["grads"][i] for res in ranks]
+                shards = [res["cases"][split, causal, dtype]["grads"][i] for res in ranks]
                 got = cp_unshard(shards, split, dim=2)
                 torch.testing.assert_close(
                     got,
@@ -365,43 +458,88 @@ def test_ring_and_ulysses_equal_full_attention_output_dq_dk_dv_fp32_and_fp64(wor
                 )
 
 
-def test_ring_and_ulysses_bytes_per_layer_equal_their_formulas(world):
-    cp, ranks = world
+def _assert_bytes_equal_the_formula(attn, n, ranks):
     b, nh, s, hs = ATT["B"], ATT["nh"], ATT["T"], ATT["hs"]
-    for attn, split, causal in CASES:
+    for _, split, causal in (c for c in CASES if c[0] == attn):
         for dtype in FP:
             e = torch.finfo(dtype).bits // 8
             fn = formulas.ring_layer_bytes if attn == "ring" else formulas.ulysses_layer_bytes
             kw = dict(acc_e=e) if attn == "ring" else {}
-            want = fn(b, s, nh * hs, cp, 1, e, **kw)
+            want = fn(b, s, nh * hs, n, 1, e, **kw)
             for res in ranks:
-                fwd, bwd = res["attention"][attn, split, causal, dtype]["sent"]
+                fwd, bwd = res["cases"][split, causal, dtype]["sent"]
                 assert (fwd, bwd) == (want["forward"], want["backward"]), (attn, split, dtype)
 
 
-def test_blocks_computed_per_rank_follow_the_split_and_zigzag_balances_them(world):
-    cp, ranks = world
+@WORLDS
+def test_ring_attention_equals_full_attention_output_dq_dk_dv_fp32_and_fp64(n):
+    _assert_equals_full_attention("ring", _on_ranks(_ring, n))
+
+
+@WORLDS
+def test_ring_forward_posts_each_transfer_before_the_steps_compute_and_waits_after(n):
+    """The overlap, as data: steps 0 .. cp-2 each post the K/V send/recv, compute, then wait;
+    the last step only computes (a ring of cp steps moves cp - 1 blocks)."""
+    want = [*RING_RANGES] * (n - 1) + ["ring.compute_s"]
+    for r, res in enumerate(_on_ranks(_ring, n)):
+        assert res["schedule"] == want, f"rank {r}: ranges opened {res['schedule']}"
+
+
+@WORLDS
+def test_ring_bytes_per_layer_equal_the_formula(n):
+    _assert_bytes_equal_the_formula("ring", n, _on_ranks(_ring, n))
+
+
+@WORLDS
+def test_blocks_computed_per_rank_follow_the_split_and_zigzag_balances_them(n):
+    ranks = _on_ranks(_ring, n)
     for split in ("contiguous", "zigzag"):
-        work = attention_work(cp, split)
-        got = [res["attention"]["ring", split, True, torch.float64] for res in ranks]
+        work = attention_work(n, split)
+        got = [res["cases"][split, True, torch.float64] for res in ranks]
         assert [g["blocks"] for g in got] == [w["blocks"] for w in work]
         # what ran, counted by torch: QK^T and PV of a (c x hs) chunk pair are 2 x 2 c^2 hs FLOPs
         # per (batch, head), c = T / cp (contiguous) or T / 2cp (zig-zag); no other matmul
-        c = ATT["T"] // (cp if split == "contiguous" else 2 * cp)
+        c = ATT["T"] // (n if split == "contiguous" else 2 * n)
         per_block = 2 * 2 * c * c * ATT["hs"] * ATT["B"] * ATT["nh"]
         assert [g["flops"] for g in got] == [w["blocks"] * per_block for w in work]
-    contiguous = attention_work(cp, "contiguous")
-    assert [w["blocks"] for w in contiguous] == list(range(1, cp + 1))  # rank r: r + 1 blocks
-    assert imbalance(w["needed"] for w in contiguous) == pytest.approx((cp - 0.5) / (cp / 2))
-    assert imbalance(w["needed"] for w in attention_work(cp, "zigzag")) == 1.0
-    assert imbalance(w["blocks"] for w in attention_work(cp, "zigzag")) == 1.0
+    contiguous = attention_work(n, "contiguous")
+    assert [w["blocks"] for w in contiguous] == list(range(1, n + 1))  # rank r: r + 1 blocks
+    assert imbalance(w["needed"] for w in contiguous) == pytest.approx((n - 0.5) / (n / 2))
+    assert imbalance(w["needed"] for w in attention_work(n, "zigzag")) == 1.0
+    assert imbalance(w["blocks"] for w in attention_work(n, "zigzag")) == 1.0
 
 
-@pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])
-def test_deepspeed_ulysses_equals_ours(world):
-    cp, ranks = world
-    for res in ranks:
-        for got, want in zip(res["deepspeed"]["ours"], res["deepspeed"]["deepspeed"]):
+# --- Ulysses (day21.ulysses_all_to_all) ---------------------------------------------------------
+
+
+@WORLDS
+def test_ulysses_all_to_all_gives_rank_r_every_token_of_its_heads_and_back(n):
+    """seq_to_heads of rank r's contiguous shard is heads r·nh/cp .. (r+1)·nh/cp - 1 of the whole
+    sequence, exactly; heads_to_seq of that is the shard again."""
+    x, h = _qkv_do(torch.float64)[0], ATT["nh"] // n
+    for r, res in enumerate(_on_ranks(_ulysses, n)):
+        heads, back = res["layout"]
+        say = lambda m, r=r: f"rank {r}, seq_to_heads: {m}"  # noqa: E731
+        torch.testing.assert_close(heads, x[:, r * h : (r + 1) * h], rtol=0, atol=0, msg=say)
+        say = lambda m, r=r: f"rank {r}, heads_to_seq(seq_to_heads(shard)): {m}"  # noqa: E731
+        mine = cp_shard(x, r, n, "contiguous", dim=2)
+        torch.testing.assert_close(back, mine, rtol=0, atol=0, msg=say)
+
+
+@WORLDS
+def test_ulysses_equals_full_attention_output_dq_dk_dv_fp32_and_fp64(n):
+    _assert_equals_full_attention("ulysses", _on_ranks(_ulysses, n))
+
+
+@WORLDS
+def test_ulysses_bytes_per_layer_equal_the_formula(n):
+    _assert_bytes_equal_the_formula("ulysses", n, _on_ranks(_ulysses, n))
+
+
+@needs_extras("deepspeed")
+def test_deepspeed_ulysses_equals_ours():
+    for res in _on_ranks(_deepspeed_ulysses, 2):
+        for got, want in zip(res["ours"], res["deepspeed"]):
             torch.testing.assert_close(got, want, **FP[torch.float64])
 
 
@@ -444,41 +582,39 @@ def _assert_like_dense(got, opt_name, dp=1):
     ],
     ids=lambda k: "-".join(k),
 )
-def test_cp_and_sp_gpt_losses_gradients_parameters_after_k_steps_equal_the_dense_model(world, key):
-    _, ranks = world
-    for res in ranks:
-        _assert_like_dense(res[key], key[-1])
+@WORLDS
+def test_cp_and_sp_gpt_losses_gradients_parameters_after_k_steps_equal_the_dense_model(n, key):
+    for got in _gpt(n, key):
+        _assert_like_dense(got, key[-1])
 
 
 @pytest.mark.parametrize(
     "key", [("tp_sp", "full", "sgd"), ("cp", "ring_zigzag", "selective", "sgd")], ids="-".join
 )
-def test_recomputation_under_sp_and_ring_attention_changes_no_bit(world, key):
+@WORLDS
+def test_recomputation_under_sp_and_ring_attention_changes_no_bit(n, key):
     """Full recomputation under TP + SP (its all-gathers and reduce-scatters rerun in backward),
     selective under ring attention (its K/V ring reruns): the same losses, gradients and
     parameters as the same layout without recomputation, bit for bit."""
-    _, ranks = world
     plain = tuple(k for k in key if k not in ("full", "selective"))
-    for res in ranks:
-        got, want = res[key], res[plain]
+    for got, want in zip(_gpt(n, key), _gpt(n, plain)):
         assert got["losses"] == want["losses"]
         for name in want["grads"]:
             assert torch.equal(got["grads"][name], want["grads"][name]), name
             assert torch.equal(got["params"][name], want["params"][name]), name
 
 
-@pytest.mark.parametrize("world", [4], indirect=True, ids=["world4"])
 @pytest.mark.parametrize(
     "key", [("cp_dp", "sgd"), ("cp_tp_sp", "sgd"), ("cp_tp_sp_ulysses", "sgd")], ids="-".join
 )
-def test_2d_grids_cp_x_dp_and_cp_x_tp_sp_equal_the_dense_model(world, key):
-    _, ranks = world
-    for res in ranks:
-        _assert_like_dense(res[key], "sgd", dp=2 if key[0] == "cp_dp" else 1)
+def test_2d_grids_cp_x_dp_and_cp_x_tp_sp_equal_the_dense_model(key):
+    for got in _gpt(4, key):
+        _assert_like_dense(got, "sgd", dp=2 if key[0] == "cp_dp" else 1)
 
 
-def test_sp_block_equals_tp_block_and_moves_the_same_bytes_plus_the_regathers(world):
-    t, ranks = world
+@WORLDS
+def test_sp_block_equals_tp_block_and_moves_the_same_bytes_plus_the_regathers(n):
+    t, ranks = n, _on_ranks(_sp, n)
     one = (t - 1) / t * B * T * CFG.n_embd * 4  # one all-gather or reduce-scatter of (B, T, C)
     for save_gathered in (False, True):
         for res in ranks:
@@ -499,29 +635,27 @@ def test_sp_block_equals_tp_block_and_moves_the_same_bytes_plus_the_regathers(wo
             assert tp_bytes == pytest.approx(formulas.tp_layer_bytes(B, T, CFG.n_embd, t))
 
 
-def test_sp_step_bytes_equal_the_formula(world):
-    t, ranks = world
-    for res in ranks:
-        want = formulas.sp_step_bytes(CFG, B, T, t)
-        got = res["tp_sp", "sgd"]["bytes"]
-        assert got == pytest.approx(want, rel=1e-12)
+@WORLDS
+def test_sp_step_bytes_equal_the_formula(n):
+    want = formulas.sp_step_bytes(CFG, B, T, n)
+    for res in _gpt(n, ("tp_sp", "sgd")):
+        assert res["bytes"] == pytest.approx(want, rel=1e-12)
 
 
-@pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])
-def test_megatron_core_sequence_parallel_layers_equal_ours(world):
-    _, ranks = world
-    for res in ranks:
-        for got, want in zip(res["megatron"]["ours"], res["megatron"]["megatron"]):
+@needs_extras("megatron")
+def test_megatron_core_sequence_parallel_layers_equal_ours():
+    for res in _on_ranks(_megatron_sp, 2):
+        for got, want in zip(res["ours"], res["megatron"]):
             torch.testing.assert_close(got, want, **TOL)
 
 
 # --- activation memory --------------------------------------------------------------------------
 
 
-def test_saved_activations_per_rank_none_tp_sp_cp_at_three_lengths_equal_the_formula(world):
-    n, ranks = world
+@WORLDS
+def test_saved_activations_per_rank_none_tp_sp_cp_at_three_lengths_equal_the_formula(n):
     b, h, a = ACT["b"], ACT["h"], ACT["a"]
-    got = dict(ranks[0]["activations"])
+    got = dict(_on_ranks(_activations, n)[0])
     for s in ACT["seqs"]:  # none: the dense block in this process
         gpt = GPT(GPTConfig(n_layer=1, n_head=a, n_embd=h, block_size=s, vocab_size=256), seed=0)
         got["none", s], _ = saved_activation_bytes(gpt.blocks["0"], _rand(b, s, h, seed=12))
