@@ -30,6 +30,7 @@ from day19_tp.formulas import block_params, ring_bytes
 from day20_pp.schedules import bubble_formula
 from day21_sp_cp import formulas as sp_cp
 from day22_megatron.layouts import Layout
+from dtl.exercise_seam import exercise
 from dtl.model import GPTConfig
 from dtl.precision import PRECISIONS
 
@@ -41,10 +42,15 @@ def _ends(lay: Layout, pp_rank: int) -> tuple[bool, bool]:
     return pp_rank == 0, pp_rank == lay.pp - 1
 
 
+@exercise("day22.params_per_rank")
 def params_per_rank(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
-    """Parameters one rank holds (stage pp_rank's layers, its TP shard)."""
+    """Parameters one rank holds (stage pp_rank's layers, its TP shard): the same on every TP
+    and DP rank of the stage. Every stage holds n_layer / pp blocks, each as day 19's TP shard
+    (block_params); the ends hold the rest of the model, the vocabulary split over the TP ranks
+    (wte and the output layer are vocab-parallel; wpe and the LayerNorms are replicated)."""
     C, t = cfg.n_embd, lay.tp
     first, last = _ends(lay, pp_rank)
+    # exercise day22.params_per_rank: begin
     n = cfg.n_layer // lay.pp * block_params(cfg, t)
     vocab = cfg.vocab_size * C // t
     if first:
@@ -54,6 +60,7 @@ def params_per_rank(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
         if not cfg.tie_weights or lay.pp > 1:
             n += vocab  # an output layer of its own (or the last stage's copy of wte)
     return n
+    # exercise day22.params_per_rank: end
 
 
 def state_bytes(

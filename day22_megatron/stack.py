@@ -39,6 +39,7 @@ from day22_megatron.layouts import LayoutError
 from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.dist import average_gradients
+from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, tp_shard_of
 from dtl.optim import OptimConfig
@@ -145,28 +146,38 @@ def sync_gradients(stack: Stack) -> int:
     return average_gradients(stack.params, stack.grid.group("dp", "cp"))
 
 
+@exercise("day22.grad_norm")
 def _counted_once(name: str, stack: Stack) -> bool:
     """Does this rank's copy of `name` enter the global gradient norm? TP shards: yes, on every
     TP rank; replicated tensors (LayerNorms, wpe, row-parallel biases): on TP rank 0 only; a last
     stage's copy of a tied embedding: no (the first stage's wte stands for both). Megatron's
-    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`."""
+    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`. `name` is the
+    one-process name ("blocks.0.mlp.c_proj.bias"); dtl.model.tp_shard_of(module name) is the TP
+    plan's Shard (style "column", "row" or "vocab") or None for a replicated module."""
+    # exercise day22.grad_norm: begin
     if name == "lm_head.weight" and stack.gpt.cfg.tie_weights:
         return False  # wte.weight itself, or a last stage's copy of it
     module_name, _, kind = name.rpartition(".")
     shard = tp_shard_of(module_name) if stack.grid.tp_size > 1 else None
     sharded = shard is not None and not (shard.style == "row" and kind == "bias")
     return sharded or stack.grid.tp_rank == 0
+    # exercise day22.grad_norm: end
 
 
+@exercise("day22.grad_norm")
 def global_grad_norm(stack: Stack) -> float:
     """The dense model's gradient norm, computed from the shards: squares summed on each rank
-    over the tensors it counts once, then all-reduced over tp x pp (the model-parallel group)."""
+    over the tensors it counts once, then all-reduced over tp x pp (the model-parallel group:
+    the DP and CP ranks hold copies of the same averaged gradients). `stack.named` maps each
+    one-process name to this rank's parameter; sum in float64. -> a float, on every rank"""
+    # exercise day22.grad_norm: begin
     sq = torch.zeros(1, dtype=torch.float64, device=stack.params[0].device)
     for name, p in stack.named.items():
         if p.grad is not None and _counted_once(name, stack):
             sq += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(sq, group=stack.grid.group("tp", "pp"))
     return sq.sqrt().item()
+    # exercise day22.grad_norm: end
 
 
 @torch.no_grad()

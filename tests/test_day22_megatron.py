@@ -1,9 +1,12 @@
 """Day 22: megatron-core's own GPT, schedules, DDP and optimizer, and our 4-D stack, each equal to
 one process; the converter both ways; megatron's groups = the grid's; state and bytes per axis =
-formulas.py; the launch scripts' flags; bad input.
+formulas.py; parameters per rank and the global gradient norm against one process's tensors cut
+by hand (the graded exercises' first graders); the launch scripts' flags; bad input. The
+megatron-core tests carry needs_extras("megatron"); the rest run without it.
 
 One spawn per world size: 4 ranks run every megatron-core layout in turn (parallel_state built
-and destroyed per layout), 4 ranks every 4-D grid, 8 ranks the (dp 2, pp 2, tp 2) grid.
+and destroyed per layout), 4 ranks every 4-D grid, 8 ranks the (dp 2, pp 2, tp 2) grid, 2 ranks
+the gradient norms of hand-cut shards; one more (4 ranks) runs SP's mutation.
 
 Reference: the dtl GPT in one process on the same global batches, torch's AdamW with Megatron's
 decay groups (matrices only) and the same global-norm clipping. Tolerances: losses rtol 1e-5;
@@ -13,6 +16,7 @@ eps 1e-8: measured gaps 1e-6 to 4e-6, dtl/model.py's docstring).
 """
 
 import importlib.util
+import itertools
 import os
 import shlex
 import subprocess
@@ -27,11 +31,11 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, loss_fn, preset
+from dtl.model import GPT, loss_fn, preset, shard_tensor, tp_shard_of
 from dtl.reference import one_process_gpt
 from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = needs_extras("megatron")
+MEGATRON = needs_extras("megatron")  # on each test that runs megatron-core, not on the file
 
 K, T, GBS = 3, 16, 8
 TOL = dict(losses=dict(rtol=1e-5, atol=0), grads=dict(rtol=0, atol=1e-6), params=1e-5)
@@ -131,6 +135,7 @@ def megatron_results(tmp_path_factory):
     return per_rank
 
 
+@MEGATRON
 @pytest.mark.parametrize("name", list(MEGATRON_LAYOUTS))
 def test_megatron_core_layouts_train_like_one_process(megatron_results, name):
     reference = _reference()
@@ -142,6 +147,7 @@ def test_megatron_core_layouts_train_like_one_process(megatron_results, name):
     assert rank0["roundtrip"] == 0.0  # dtl -> megatron shards -> dtl, bit for bit
 
 
+@MEGATRON
 def test_megatron_sp_needs_the_layernorm_gradients_all_reduced(tmp_path):
     # the mutation: without the flag each TP rank keeps its own partial LayerNorm gradient
     per_rank = run_distributed(_megatron_sp_without_the_norm_flag, str(tmp_path), world_size=4)
@@ -247,6 +253,63 @@ def test_grad_norm_counts_each_tensor_once():
     assert stack._counted_once("wte.weight", s)
 
 
+def _stage_of(name, n_layer, pp):
+    """The pipeline stage that holds a one-process tensor: wte and wpe the first, ln_f and
+    lm_head (with tied weights: a copy of wte when pp > 1) the last, blocks n_layer / pp each."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) // (n_layer // pp)
+    return 0 if name.startswith(("wte.", "wpe.")) else pp - 1
+
+
+def _rank_tensors(gpt, grid, grads=False):
+    """{one-process name: the tensor (or gradient) rank (grid.pp_rank, grid.tp_rank) holds}, cut
+    from the one-process model by hand: its stage's tensors, each as dtl.model.shard_tensor
+    splits it over the TP ranks (replicated ones whole)."""
+    out = {}
+    for name, p in gpt.named_parameters(remove_duplicate=False):
+        if _stage_of(name, gpt.cfg.n_layer, grid.pp_size) != grid.pp_rank:
+            continue
+        module, _, kind = name.rpartition(".")
+        t = (p.grad if grads else p).detach()
+        shard = tp_shard_of(module) if grid.tp_size > 1 else None
+        if shard is not None:
+            t = shard_tensor(t, shard, kind == "bias", grid.tp_rank, grid.tp_size)
+        out[name] = t
+    return out
+
+
+def _norms_of_hand_cut_grads():
+    """Each of 2 ranks as tp 2, pp 2 and dp 2: a Stack holding its cut of one set of dense
+    gradients (random, seeded: the same on both ranks); global_grad_norm on it, and the norm."""
+    dtl_dist.init()
+    grids = {"tp2": ParallelGrid(tp=2), "pp2": ParallelGrid(pp=2), "dp2": ParallelGrid(dp=2)}
+    out = {}
+    for tie in (True, False):
+        gpt = GPT(preset("tiny", n_layer=4, tie_weights=tie), seed=0)
+        gen = torch.Generator().manual_seed(0)
+        for p in gpt.parameters():  # each tensor once: a tied wte and lm_head share one gradient
+            p.grad = torch.randn(p.shape, generator=gen)
+        dense = torch.stack([p.grad.double().pow(2).sum() for p in gpt.parameters()]).sum()
+        for name, grid in grids.items():
+            named = {}
+            for n, g in _rank_tensors(gpt, grid, grads=True).items():
+                named[n] = torch.nn.Parameter(torch.zeros_like(g))
+                named[n].grad = g.clone()
+            s = stack.Stack(grid, gpt, None, list(named.values()), named, loss_fn, None)
+            out[name, tie] = stack.global_grad_norm(s), dense.sqrt().item()
+    return out
+
+
+def test_global_grad_norm_of_tp_pp_and_dp_ranks_is_one_process_norm():
+    # a replicated tensor counted on both TP ranks, a tied copy counted twice, a stage left out,
+    # or the squares summed over the DP ranks too: each moves the norm off the dense one
+    for rank, got in enumerate(run_distributed(_norms_of_hand_cut_grads, world_size=2)):
+        for (grid, tie), (norm, dense) in got.items():
+            assert norm == pytest.approx(dense, rel=1e-12), (
+                f"{grid} (tied {tie}), rank {rank}: {norm!r}, one process {dense!r}"
+            )
+
+
 # --- formulas, scripts, bad input --------------------------------------------------------------
 
 
@@ -260,9 +323,27 @@ def test_params_formula_over_all_stages_is_the_model_plus_the_tied_copy():
         assert total == sum(p.numel() for p in GPT(cfg).parameters()) + copies
 
 
+def test_params_per_rank_is_what_each_rank_holds_cut_from_one_process():
+    # every (tp, pp) rank's tensors counted: its stage's, its TP shard of each (dtl.model's plan)
+    for name, untied in [("tiny", False), ("tiny", True), ("tiny-nobias", False)]:
+        cfg = preset(name, n_layer=4, n_head=4, tie_weights=not untied)
+        gpt = GPT(cfg)
+        for tp, pp in [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4)]:
+            lay = layouts.Layout(tp=tp, pp=pp)
+            for pp_rank, tp_rank in itertools.product(range(pp), range(tp)):
+                grid = ParallelGrid(tp=tp, pp=pp, world_size=tp * pp, rank=pp_rank * tp + tp_rank)
+                held = _rank_tensors(gpt, grid)
+                if cfg.tie_weights and pp == 1:
+                    held.pop("lm_head.weight")  # wte.weight itself, held once
+                want = sum(t.numel() for t in held.values())
+                got = formulas.params_per_rank(cfg, lay, pp_rank)
+                assert got == want, f"{cfg} tp {tp} pp {pp}: rank ({pp_rank}, {tp_rank})"
+
+
 LAUNCH = os.path.join(os.path.dirname(train_megatron.__file__), "launch")
 
 
+@MEGATRON
 @pytest.mark.parametrize(
     "script, world",
     [("train_2gpu.sh", 2), ("train_4gpu.sh", 4), ("train_8gpu.sh", 8), ("train_2node.sh", 16)],
@@ -288,6 +369,7 @@ def test_launch_scripts_pass_flags_train_megatron_accepts_for_their_gpu_count(
     assert cfg.model == "gpt2-124m" and cfg.model_config().vocab_size % (128 * cfg.layout.tp) == 0
 
 
+@MEGATRON
 def test_a_launch_script_runs_on_cpu_as_written(tmp_path):
     env = {
         **os.environ, "MODEL": "tiny", "SEQ_LENGTH": "16", "MICRO_BATCH_SIZE": "1",
@@ -302,6 +384,7 @@ def test_a_launch_script_runs_on_cpu_as_written(tmp_path):
     assert "losses match one process yes" in proc.stdout
 
 
+@MEGATRON
 def test_bad_layout_is_one_line_before_any_collective():
     line = script_error(
         "day22_megatron.train_megatron", "--tensor-model-parallel-size=3", env={"WORLD_SIZE": "4"}
@@ -313,32 +396,37 @@ PP2 = "--pipeline-model-parallel-size=2"
 VPP = "--num-layers-per-virtual-pipeline-stage"
 
 
+VALIDATED = [  # train_megatron's validate(): where megatron-core is installed (its first check)
+    (train_megatron, [PP2, f"{VPP}=3"], "2 layers do not split into pp 2 x chunks of 3 layers"),
+    (
+        train_megatron,
+        [PP2, f"{VPP}=1", "--num-layers=4", "--global-batch-size=6"],
+        "interleaved 1F1B needs the micro-batches per DP rank (3) to be a multiple of pp 2",
+    ),
+    (
+        train_megatron,
+        ["--global-batch-size=7"],
+        "global batch 7 is not divisible by micro-batch 1 x dp 4 = 4",
+    ),
+    (train_megatron, ["--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
+    (
+        train_megatron,
+        ["--tensor-model-parallel-size=4"],
+        "2 attention heads do not split over tp 4",
+    ),
+    (train_megatron, ["--precision=bf16"], "--precision=bf16 is for GPUs here"),
+]
+WITHOUT_MEGATRON = [  # our stack's checks, and a value the parser refuses before validate()
+    (train_4d, ["--pp=2", "--cp=2"], "this stack runs CP and SP without PP only"),
+    (train_4d, ["--chunks=2"], "--chunks=2 needs --pp >= 2"),
+    (train_megatron, ["--precision=fp8"], "unknown precision 'fp8'"),
+    (train_4d, ["--tp=2", "--seq_len=64"], "seq_length 64 exceeds the model's 32 positions"),
+]
+
+
 @pytest.mark.parametrize(
     "script, args, message",
-    [
-        (train_megatron, [PP2, f"{VPP}=3"], "2 layers do not split into pp 2 x chunks of 3 layers"),
-        (
-            train_megatron,
-            [PP2, f"{VPP}=1", "--num-layers=4", "--global-batch-size=6"],
-            "interleaved 1F1B needs the micro-batches per DP rank (3) to be a multiple of pp 2",
-        ),
-        (
-            train_megatron,
-            ["--global-batch-size=7"],
-            "global batch 7 is not divisible by micro-batch 1 x dp 4 = 4",
-        ),
-        (train_megatron, ["--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
-        (
-            train_megatron,
-            ["--tensor-model-parallel-size=4"],
-            "2 attention heads do not split over tp 4",
-        ),
-        (train_4d, ["--pp=2", "--cp=2"], "this stack runs CP and SP without PP only"),
-        (train_4d, ["--chunks=2"], "--chunks=2 needs --pp >= 2"),
-        (train_megatron, ["--precision=bf16"], "--precision=bf16 is for GPUs here"),
-        (train_megatron, ["--precision=fp8"], "unknown precision 'fp8'"),
-        (train_4d, ["--tp=2", "--seq_len=64"], "seq_length 64 exceeds the model's 32 positions"),
-    ],
+    [pytest.param(*case, marks=MEGATRON) for case in VALIDATED] + WITHOUT_MEGATRON,
 )
 def test_bad_input_is_a_one_line_config_error(script, args, message, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "4")
