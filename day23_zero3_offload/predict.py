@@ -39,6 +39,7 @@ from day23_zero3_offload.checks import (
     read,
     template_path,
 )
+from dtl.exercise_seam import exercise
 from dtl.model import GPT, GPTConfig, flops_per_token
 from dtl.precision import PRECISIONS
 
@@ -90,27 +91,47 @@ def persistence_threshold(zero: dict) -> int:
     return zero.get("stage3_param_persistence_threshold", 100_000)
 
 
+@exercise("day23.bytes_per_location")
 def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str, float]]:
-    """This rank's bytes by location and kind, from the config and the parameter groups."""
+    """This rank's bytes by location and kind, from the config and the parameter groups: the
+    module top's table, rule by rule."""
     zero = ds.get("zero_optimization", {})
     e = element_bytes(ds)
     parts = [[math.ceil(n / world) for n in g] for g in groups]  # each parameter's partition
-    flat = [k for g in parts for k in g]
+    flat = [k for g in parts for k in g]  # every partition's elements, k_i = ceil(n_i / N)
     subs = [s for g in parts for s in _sub_groups(g, zero.get("sub_group_size", 1_000_000_000))]
     out = {loc: dict.fromkeys(KINDS, 0.0) for loc in LOCATIONS}
     threshold = persistence_threshold(zero)
-    out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
-    out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
-    if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
-        out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
-    min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
-    swappable = lambda k, size=e: k * size >= min_aio  # noqa: E731
     param_dev, opt_dev = (
         offload_device(ds, "offload_param"),
         offload_device(ds, "offload_optimizer"),
-    )
-    paged = 0.0
+    )  # "none", "cpu" or "nvme"
+    min_aio = max(MIN_AIO_BYTES, (ds.get("aio") or {}).get("block_size", AIO_BLOCK_DEFAULT))
+    swappable = lambda k, size=e: k * size >= min_aio  # noqa: E731  (k elements of `size` bytes)
+    # Each kind's partitions at its home: the parameters (e bytes an element) where
+    # offload_param puts them; the gradients (e bytes) and the fp32 master, m and v (12 bytes)
+    # where offload_optimizer does; "nvme" keeps them in CPU memory, less what the drive takes:
+    # the parameter partitions large enough to swap, and the optimizer's large enough
+    # sub-groups (`subs`), three 1 KiB-aligned files each. A parameter of at most `threshold`
+    # elements is also whole on every device.
+    # exercise day23.bytes_per_location: begin
+    param_home = "device" if param_dev == "none" else "cpu"
+    opt_home = "device" if opt_dev == "none" else "cpu"
+    out[param_home]["params"] = sum(flat) * e
+    out[opt_home]["grads"] = sum(flat) * e
+    out[opt_home]["optim"] = 12 * sum(flat)
+    out["device"]["persistent"] = sum(n * e for g in groups for n in g if n <= threshold)
     if param_dev == "nvme":
+        out["nvme"]["params"] = sum(k * e for k in flat if swappable(k))  # written at start
+    if opt_dev == "nvme":
+        out["nvme"]["optim"] = 3 * sum(_aligned(sum(s) * 4) for s in subs if swappable(sum(s), 4))
+        out["cpu"]["optim"] = 12 * sum(sum(s) for s in subs if not swappable(sum(s), 4))
+    # exercise day23.bytes_per_location: end
+    out["device"]["gathered"] = _gathered(zero, [n for g in groups for n in g if n > threshold]) * e
+    if zero.get("contiguous_gradients", True):  # the gradient-reduction bucket, preallocated
+        out["device"]["buffers"] += zero.get("reduce_bucket_size", 500_000_000) * e
+    paged = 0.0
+    if param_dev == "nvme":  # beyond max_in_cpu, a swappable partition lives on the drive only
         section = zero["offload_param"]
         in_cpu = _cpu_resident(parts, subs, section.get("max_in_cpu", 1_000_000_000))
         paged_subs = [s for s, resident in zip(subs, in_cpu) if not resident]
@@ -118,28 +139,19 @@ def predict(ds: dict, groups: list[list[int]], world: int) -> dict[str, dict[str
         out["cpu"]["params"] = sum(
             k * e for s, r in zip(subs, in_cpu) for k in s if r or not swappable(k)
         )
-        out["nvme"]["params"] = sum(k * e for k in flat if swappable(k))  # written at start, all
         count, size = section.get("buffer_count", 5), section.get("buffer_size", 100_000_000)
         out["cpu"]["buffers"] += count * _aligned(size * e)
-    else:
-        out["cpu" if param_dev == "cpu" else "device"]["params"] = sum(flat) * e
-    opt_home = "cpu" if opt_dev != "none" else "device"
-    out[opt_home]["grads"] = sum(flat) * e
     read = write = paged  # parameters beyond max_in_cpu: in for forward, out after the update
     if opt_dev == "nvme":
         on_disk = [sum(s) for s in subs if swappable(sum(s), 4)]
-        out["nvme"]["optim"] = 3 * sum(_aligned(S * 4) for S in on_disk)  # master, m, v
-        out["cpu"]["optim"] = 12 * sum(sum(s) for s in subs if not swappable(sum(s), 4))
         out["nvme"]["grads"] = (
             sum(k * 4 for k in flat if swappable(k)) if param_dev == "nvme" else 0
         )
         count = zero["offload_optimizer"].get("buffer_count", 4)
         out["cpu"]["buffers"] += count * _aligned(max(on_disk, default=0) * 4)
-        params_in = sum(k * e for k in flat if swappable(k)) if param_dev == "nvme" else 0
+        params_in = out["nvme"]["params"]
         read += params_in + out["nvme"]["optim"]  # the step swaps its sub-groups in
         write += out["nvme"]["grads"] + out["nvme"]["optim"]
-    else:
-        out[opt_home]["optim"] = 12 * sum(flat)
     out["disk"] = {"read": read, "write": write}
     return out
 
@@ -315,6 +327,7 @@ def step_tokens(ds: dict, seq_len: int = SEQ_LEN) -> int:
     return ds["train_micro_batch_size_per_gpu"] * ds.get("gradient_accumulation_steps", 1) * seq_len
 
 
+@exercise("day23.link_time")
 def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
     """Bytes one step moves over PCIe (each way) and NVMe, for one rank.
 
@@ -325,15 +338,18 @@ def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
     pred = predict(ds, groups, world)
     e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
     psi_r = sum(math.ceil(n / world) for g in groups for n in g) * e
-    up = down = 0.0
+    up = down = 0.0  # bytes over PCIe: up = CPU -> device, down = device -> CPU
+    # exercise day23.link_time: begin
     if offload_device(ds, "offload_optimizer") != "none":
         down += psi_r  # gradients
         up += 0.0 if offload_device(ds, "offload_param") != "none" else psi_r
     if offload_device(ds, "offload_param") != "none":
         up += pred["device"]["gathered"]  # fetched once, kept to backward (_gathered)
+    # exercise day23.link_time: end
     return dict(up=up, down=down, nvme_read=pred["disk"]["read"], nvme_write=pred["disk"]["write"])
 
 
+@exercise("day23.link_time")
 def bandwidth_table(models: dict[str, GPTConfig], seq_len: int = SEQ_LEN) -> str:
     """Per step on one H200, bf16: the seconds the links need beside the seconds of compute
     (at MFU of the dense peak) for the template's own step (`step_tokens`: its micro-batch and
@@ -351,14 +367,19 @@ def bandwidth_table(models: dict[str, GPTConfig], seq_len: int = SEQ_LEN) -> str
             tokens = step_tokens(ds, seq_len)
             ds["bf16"] = {"enabled": True}
             b = link_bytes(ds, groups_by_formula(cfg))
+            # the link's seconds (PCIe carries both directions at once; the drive reads, then
+            # writes), and the tokens whose compute (per_token seconds each) lasts as long
+            # exercise day23.link_time: begin
             link = max(
                 b["up"] / (PCIE_GBS * GB),
                 b["down"] / (PCIE_GBS * GB),
                 b["nvme_read"] / (NVME_READ_GBS * GB) + b["nvme_write"] / (NVME_WRITE_GBS * GB),
             )
+            hide = link / per_token
+            # exercise day23.link_time: end
             lines.append(
                 f"{name:<11}{t:<10}{b['up'] / GB:>11.2f}{b['down'] / GB:>9.2f}"
                 f"{b['nvme_read'] / GB:>10.2f}{b['nvme_write'] / GB:>7.2f}{link:>8.2f}"
-                f"{per_token * tokens:>10.3f}{link / per_token:>16,.0f}"
+                f"{per_token * tokens:>10.3f}{hide:>16,.0f}"
             )
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Day 23: every offload template trains like no-offload ZeRO-3 and like one process; its bytes are
 where the explainer says; save/resume is exact with the optimizer on CPU and the parameters on
 NVMe, and the optimizer-on-NVMe resume bug of DeepSpeed 0.19.8 is recorded; day 18's hand ZeRO-3
-with its optimizer on the CPU; the explainer's one-line errors.
+with its optimizer on the CPU; the explainer's one-line errors, its bytes per location counted by
+hand and its link table (pure formulas: no DeepSpeed needed; the rest is `needs_deepspeed`).
 
 One 2-rank spawn runs every template (and the params-on-NVMe variant) with a checkpoint after
 step 2, then resumes the offload ones from it. Model: `tiny` with a 32,768-word vocabulary, so
@@ -27,7 +28,7 @@ from dtl.model import preset
 from dtl.reference import one_process_gpt
 from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = needs_extras("deepspeed")
+needs_deepspeed = needs_extras("deepspeed")  # the engine's tests; the explainer's are pure
 
 
 def _libaio() -> bool:
@@ -123,6 +124,7 @@ TEMPLATES = [
 ]
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
     base = runs["zero3"]["losses"]
@@ -137,6 +139,7 @@ def test_each_template_trains_like_no_offload_zero3_and_one_process(runs, name):
     assert gap < 1e-4, f"{name}: parameters {gap:.1e} from one process"
 
 
+@needs_deepspeed
 def test_weight_decay_reaches_every_matrix_even_where_no_gradient_does(runs):
     """Positions past seq_len get no gradient, so AdamW's step there is exactly 0 (m = v = 0)
     and only the decoupled decay moves them: w_K = w_0 (1 - lr wd)^K. The losses, and the
@@ -151,6 +154,7 @@ def test_weight_decay_reaches_every_matrix_even_where_no_gradient_does(runs):
         torch.testing.assert_close(got, w0 * (1 - lr * wd) ** K, rtol=1e-6, atol=0, msg=name)
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("name", ["zero3", *TEMPLATES])
 def test_bytes_per_location_are_where_the_explainer_says(runs, name):
     r = runs[name]
@@ -181,11 +185,13 @@ def _resume_is_exact(r) -> None:
     torch.testing.assert_close(r["resumed"], r["losses"][SAVE_AT:], rtol=1e-6, atol=0)
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("name", ["cpu", pytest.param("nvme_param", marks=needs_libaio)])
 def test_save_and_resume_give_back_the_saved_state_exactly(runs, name):
     _resume_is_exact(runs[name])
 
 
+@needs_deepspeed
 @needs_libaio
 @pytest.mark.xfail(
     strict=True,
@@ -196,6 +202,7 @@ def test_resume_with_the_optimizer_on_nvme_is_exact(runs):
     _resume_is_exact(runs["nvme"])
 
 
+@needs_deepspeed
 @needs_libaio
 def test_resume_with_paged_parameters_is_refused_by_deepspeed(runs):
     # max_in_cpu below the partition size leaves a sub-group without its flat CPU copy, and
@@ -207,6 +214,7 @@ def test_resume_with_paged_parameters_is_refused_by_deepspeed(runs):
     )
 
 
+@needs_deepspeed
 @needs_libaio
 def test_the_optimizer_on_nvme_resume_gives_back_the_initial_weights(runs):
     # the symptom itself, so the notes' claim is a measurement: after load_checkpoint the
@@ -278,6 +286,7 @@ def _broken(change):
     return ds
 
 
+@needs_deepspeed
 @pytest.mark.parametrize(
     "ds, message",
     [
@@ -307,6 +316,7 @@ def test_bad_configs_are_one_line_errors(ds, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@needs_deepspeed
 def test_missing_libaio_names_the_package(monkeypatch):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -332,12 +342,44 @@ def test_fp16_on_a_cpu_is_one_line(monkeypatch):
     assert "precision fp16 needs a GPU" in str(err.value) and "\n" not in str(err.value)
 
 
+@needs_deepspeed
 def test_resume_without_a_checkpoint_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(dtl_config.ConfigError, match="no DeepSpeed checkpoint in"):
         dtl_config.load(
             train.Config, ["--resume", f"--ckpt_dir={tmp_path}", f"--out_dir={tmp_path}"]
         )
+
+
+# `small` (7,248,640 parameters) on 2 ranks in fp32, counted by hand: each rank's partitions
+# hold 3,624,320 elements; only the tied embedding (50,304 x 128 = 6,438,912) is above the
+# persistence threshold, and only its partition, 3,219,456 elements, reaches 1 MiB (the NVMe
+# minimum); the optimizer's matrix sub-group is 3,620,864 elements, its vector one 3,456. The
+# engine test above measures these (the notes' tables: +0.00%).
+PARTS, OPTIM = 3_624_320 * 4, 3_624_320 * 12  # parameter or gradient partitions; master, m, v
+SWAPPED, SUB_GROUP = 3_219_456 * 4, 3_620_864 * 4  # the embedding's partition; fp32 sub-group
+COUNTED = {
+    "zero3": {"device": dict(params=PARTS, grads=PARTS, optim=OPTIM)},
+    "opt_only": {"device": dict(params=PARTS), "cpu": dict(grads=PARTS, optim=OPTIM)},
+    "cpu": {"cpu": dict(params=PARTS, grads=PARTS, optim=OPTIM)},
+    "nvme": {
+        "cpu": dict(params=PARTS, grads=PARTS, optim=3_456 * 12,
+                    buffers=5 * 100_000_000 * 4 + 4 * SUB_GROUP),  # the swap buffers, pinned
+        "nvme": dict(params=SWAPPED, grads=SWAPPED, optim=3 * SUB_GROUP),  # 3 files: 1 KiB x n
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("template", list(COUNTED))
+def test_bytes_per_location_are_the_counted_ones_for_small_on_two_ranks(template):
+    ds = _template(template)
+    got = predict.predict(ds, predict.param_groups(preset("small")), world=2)
+    device = dict(persistent=809_728 * 4, gathered=6_438_912 * 4, buffers=50_000_000 * 4)
+    want = {loc: dict.fromkeys(predict.KINDS, 0) for loc in predict.LOCATIONS}
+    want["device"].update(device)  # on every device, whatever the template: persistent, the
+    for loc, kinds in COUNTED[template].items():  # gathered embedding, the reduce bucket
+        want[loc].update(kinds)
+    assert {loc: got[loc] for loc in predict.LOCATIONS} == want
 
 
 def test_size_formula_equals_the_built_model_and_the_fit_grows_with_offload():
