@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtl.dist import run_device
+from dtl.exercise_seam import exercise
 from dtl.shared_folder import require_shared_folder
 
 PREFIX, TMP, OLD, LATEST, META = "step_", ".tmp", ".old", "latest", "meta.json"
@@ -219,9 +220,14 @@ def code_version() -> str:
         return "unknown"
 
 
+@exercise("day24.verify")
 def verify(path: str, expect_config: dict | None = None) -> dict:
     """Check a committed checkpoint before loading it: meta.json readable, every file present
     with its size and sha256, the model config equal. Returns meta. One-line errors."""
+    # meta.json: {"files": {name: [bytes, sha256]}, "config": ..., ...}, written by the commit.
+    # Each fault is a CheckpointError of one line that names the file: no meta.json, a
+    # meta.json that is not JSON, a listed file missing, a size or a sha256 that differs
+    # exercise day24.verify: begin
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path} has no {META}: not a committed checkpoint")
@@ -238,6 +244,7 @@ def verify(path: str, expect_config: dict | None = None) -> dict:
             raise CheckpointError(
                 f"checkpoint file {file} is corrupt (size or sha256 differs from meta.json)"
             )
+    # exercise day24.verify: end
     if expect_config is not None and meta["config"] != expect_config:
         diff = [
             f"{k} {meta['config'].get(k)} (checkpoint) vs {v}"
@@ -345,6 +352,7 @@ class Checkpointer:
         future.result()  # re-raises a failed write here, in the training thread
         self._commit(step, tmp, record)
 
+    @exercise("day24.atomic_commit")
     def _commit(self, step: int, tmp: str, record: SaveRecord) -> None:
         # DCP returns on rank 0 only after every rank's write succeeded and .metadata is on
         # disk, so rank 0 alone can commit; the other ranks need not wait for it
@@ -358,6 +366,11 @@ class Checkpointer:
                 time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 files=_manifest(tmp),
             )
+            # the three moves, each durable before the next (module top): meta on disk in the
+            # .tmp folder, the folder renamed to step_dir (a step already there set aside as
+            # .old first), `latest` replaced whole; then the .old and every checkpoint beyond
+            # the newest `keep` (committed(): commit order) removed, never the one just made
+            # exercise day24.atomic_commit: begin
             with open(os.path.join(tmp, META), "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -376,6 +389,7 @@ class Checkpointer:
             for old in committed(self.root)[: -self.keep]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
+            # exercise day24.atomic_commit: end
         record.total_s = time.perf_counter() - record.started
 
     def _barrier(self) -> None:
@@ -413,38 +427,3 @@ class _DrillWriter(dcp.FileSystemWriter):
             future.wait()
             self.on_write(self.step)
         return future
-
-
-# --- one file: DCP <-> torch.save ---------------------------------------------------------------
-
-
-def to_torch_save(path: str, out_file: str) -> None:
-    """A DCP checkpoint -> one torch.save file (the full, unsharded state dict, one process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    verify(path)
-    dcp_to_torch_save(path, out_file)
-
-
-def from_torch_save(file: str, out_dir: str) -> None:
-    """One torch.save file -> a DCP folder (loadable at any world size), with its manifest."""
-    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
-
-    torch_save_to_dcp(file, out_dir)
-    meta = dict(
-        step=-1,
-        world_size=1,
-        config={},
-        code=code_version(),
-        torch=torch.__version__,
-        time=time.strftime("%Y-%m-%d %H:%M:%S"),
-        files=_manifest(out_dir),
-    )
-    with open(os.path.join(out_dir, META), "w") as f:
-        json.dump(meta, f, indent=1)
-
-
-def load_torch_save(file: str) -> dict:
-    """Read a torch.save checkpoint safely: weights_only=True unpickles tensors, numbers and
-    containers only, never arbitrary objects (a pickle can run any code it names)."""
-    return torch.load(file, map_location="cpu", weights_only=True)

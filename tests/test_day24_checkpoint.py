@@ -12,6 +12,7 @@ buckets and change the order of additions: equal to rounding, not to the bit).
 import io
 import json
 import os
+import shutil
 import time
 import types
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from day24_checkpoint import ckpt as C
+from day24_checkpoint import convert
 from day24_checkpoint.drill import Config as DrillConfig
 from day24_checkpoint.drill import Drills
 from day24_checkpoint.train import Config, build
@@ -175,10 +177,10 @@ def test_dcp_to_torch_save_and_back_round_trips_exactly(saved, tmp_path):
     root, ranks = saved
     path = C.latest(os.path.join(root, "fsdp2"))
     first, back, second = tmp_path / "a.pt", tmp_path / "dcp", tmp_path / "b.pt"
-    C.to_torch_save(path, str(first))
-    C.from_torch_save(str(first), str(back))
-    C.to_torch_save(str(back), str(second))
-    a, b = C.load_torch_save(str(first)), C.load_torch_save(str(second))
+    convert.to_torch_save(path, str(first))
+    convert.from_torch_save(str(first), str(back))
+    convert.to_torch_save(str(back), str(second))
+    a, b = convert.load_torch_save(str(first)), convert.load_torch_save(str(second))
     _assert_nested_equal(a, b)
     model = a["app"]["model"]
     for name, t in model.items():
@@ -200,27 +202,52 @@ def _assert_nested_equal(a, b):
         assert a == b
 
 
-def test_a_corrupted_or_missing_file_is_a_one_line_error_naming_it(saved, tmp_path):
-    root, _ = saved
-    import shutil
+def _tiny_app(fill: float) -> C.AppState:
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(fill)
+    return C.AppState(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
-    for damage in ("flip", "delete", "meta"):
-        copy = tmp_path / damage
-        shutil.copytree(C.latest(os.path.join(root, "ddp")), copy)
-        shard = copy / "__0_0.distcp"
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: no group
+def test_a_damaged_checkpoint_is_refused_before_a_load_in_one_line_naming_the_file(tmp_path):
+    """A checkpoint with its manifest, written without a commit (convert.from_torch_save), then
+    damaged five ways: a flipped byte, a truncated shard, a deleted one, meta.json not JSON or
+    gone. Each is refused by verify and by a load, in one line naming the file, before DCP reads
+    anything (the model keeps its weights); the undamaged copy verifies and loads exactly."""
+    saved = _tiny_app(3.0)
+    saved.progress = C.Progress(step=3, samples=12)
+    torch.save({"app": saved.state_dict()}, tmp_path / "full.pt")
+    good = tmp_path / "ckpt" / "step_00000003"
+    convert.from_torch_save(str(tmp_path / "full.pt"), str(good))
+    for damage in ("flip", "truncate", "delete", "not json", "no meta"):
+        copy = tmp_path / "damaged" / damage.replace(" ", "_")
+        shutil.copytree(good, copy)
+        shard, meta = copy / "__0_0.distcp", copy / C.META
+        data = shard.read_bytes()
         if damage == "flip":
-            data = bytearray(shard.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            shard.write_bytes(bytes(data))
+            shard.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1])
+                              + data[len(data) // 2 + 1 :])  # fmt: skip
+        elif damage == "truncate":
+            shard.write_bytes(data[:-1])
         elif damage == "delete":
             shard.unlink()
+        elif damage == "not json":
+            meta.write_text("{not json")
         else:
-            (copy / C.META).write_text("{not json")
+            meta.unlink()
+        named = str(shard) if damage in ("flip", "truncate", "delete") else C.META
         with pytest.raises(C.CheckpointError) as info:
             C.verify(str(copy))
-        msg = str(info.value)
-        assert "\n" not in msg
-        assert (str(shard) if damage != "meta" else C.META) in msg, msg
+        assert "\n" not in str(info.value) and named in str(info.value), (damage, info.value)
+        fresh = _tiny_app(0.0)
+        with pytest.raises(C.CheckpointError, match="is corrupt|is missing|unreadable|no meta"):
+            C.Checkpointer(str(tmp_path / "ckpt")).load(fresh, path=str(copy))
+        assert torch.equal(fresh.model.weight, torch.zeros(2, 2)), f"{damage}: loaded anyway"
+    assert C.verify(str(good))["files"].keys() == {".metadata", "__0_0.distcp"}
+    fresh = _tiny_app(0.0)
+    assert C.Checkpointer(str(tmp_path / "ckpt")).load(fresh, path=str(good)) == 3
+    assert torch.equal(fresh.model.weight, saved.model.weight)
 
 
 def test_only_committed_checkpoints_are_listed_and_pruned_to_keep(saved):
@@ -230,6 +257,118 @@ def test_only_committed_checkpoints_are_listed_and_pruned_to_keep(saved):
     ]
     meta = json.load(open(os.path.join(C.latest(os.path.join(root, "ddp")), C.META)))
     assert meta["world_size"] == 2 and set(meta["files"]) >= {".metadata", "__0_0.distcp"}
+
+
+class _Killed(BaseException):
+    """A kill: nothing after it runs, and no `except Exception` catches it."""
+
+
+class _KillInCommit:
+    """Checkpointer._commit killed just before its `at`-th move on the file system (1-based;
+    0: never); `done` records the moves it let through, by name. A move is a call of one of
+    MOVES (the calls inside one, such as rmtree's unlinks, are part of it); DCP's own writes,
+    outside the commit, are not counted."""
+
+    MOVES = ((os, "rename"), (os, "replace"), (os, "fsync"), (os, "remove"), (os, "unlink"),
+             (os, "rmdir"), (shutil, "rmtree"), (shutil, "move"))  # fmt: skip
+
+    def __init__(self, monkeypatch):
+        self.at, self.done, self.inside = 0, [], False
+        for module, name in self.MOVES:
+            monkeypatch.setattr(module, name, self._watch(getattr(module, name), name))
+        commit = C.Checkpointer._commit
+
+        def watched(ckpt, *args, **kwargs):
+            self.inside = True
+            try:
+                return commit(ckpt, *args, **kwargs)
+            finally:
+                self.inside = False
+
+        monkeypatch.setattr(C.Checkpointer, "_commit", watched)
+
+    def _watch(self, real, name):
+        def move(*args, **kwargs):
+            if not self.inside:
+                return real(*args, **kwargs)
+            if len(self.done) + 1 == self.at:
+                raise _Killed(f"killed before move {self.at} ({name})")
+            self.done.append(name)
+            self.inside = False
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.inside = True
+
+        return move
+
+
+def _committed_step(path: str) -> int:
+    """The step a checkpoint folder holds, read by DCP itself (no manifest check): its weights
+    are filled with the step number, so a mixed or half-written folder shows."""
+    import torch.distributed.checkpoint as dcp
+
+    app = _tiny_app(-1.0)
+    dcp.load({"app": app}, checkpoint_id=path, no_dist=True)
+    step = app.progress.step
+    assert torch.equal(app.model.weight, torch.full((2, 2), float(step))), path
+    with open(os.path.join(path, C.META)) as f:  # the manifest lists what is there
+        assert set(json.load(f)["files"]) == set(os.listdir(path)) - {C.META}, path
+    return step
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: no group
+@pytest.mark.parametrize("first, second", [(1, 2), (2, 2)], ids=["new step", "same step"])
+def test_a_kill_at_any_move_of_the_commit_leaves_the_old_checkpoint_or_the_new(
+    tmp_path, monkeypatch, first, second
+):
+    """A checkpoint committed, then the next commit (another step, or the same step again)
+    killed before each of its moves in turn; keep=1, so the commit also deletes the older one.
+    Whatever the moment: `latest` names a whole checkpoint, the old one or the new, and a
+    restart leaves no .tmp or .old folder behind. The commit makes each file durable (fsync)
+    before the move that makes it visible, and replaces `latest` whole (a new file), never
+    rewrites it in place."""
+    kill = _KillInCommit(monkeypatch)
+
+    def two_saves(root: str, at: int) -> bool:
+        ckpt, app = C.Checkpointer(root, keep=1), _tiny_app(float(first))
+        app.progress.step = first
+        kill.at = 0
+        ckpt.save(app, first)
+        before = os.stat(os.path.join(root, C.LATEST)).st_ino
+        with torch.no_grad():
+            app.model.weight.fill_(float(second))
+        app.progress.step = second
+        kill.at, kill.done = at, []
+        try:
+            ckpt.save(app, second)
+        except _Killed:
+            return True
+        assert os.stat(os.path.join(root, C.LATEST)).st_ino != before, "latest rewritten in place"
+        return False
+
+    whole = str(tmp_path / "whole")
+    assert not two_saves(whole, 0)
+    moves = kill.done
+    assert sorted(os.listdir(whole)) == [C.LATEST, C.step_dir("", second)], "keep=1"
+    assert _committed_step(C.latest(whole)) == second
+    renames = [i for i, m in enumerate(moves) if m in ("rename", "replace", "move")]
+    assert len(renames) >= 2 and "fsync" in moves[: renames[0]], f"no fsync before {moves}"
+    assert "fsync" in moves[renames[0] : renames[-1]], f"latest: no fsync before it moves {moves}"
+    for at in range(1, len(moves) + 1):
+        root = str(tmp_path / f"killed_{at}")
+        assert two_saves(root, at)
+        for when in ("as the kill left it", "after a restart's clean-up"):
+            where = f"killed before move {at} of {moves}, {when}"
+            try:
+                path = C.latest(root)
+            except C.CheckpointError as e:
+                pytest.fail(f"{where}: {e}")
+            assert path is not None, f"{where}: no latest"
+            assert _committed_step(path) in (first, second), where
+            C.Checkpointer(root, keep=1)  # a restart: stale .tmp removed, a .old put back
+        left = [n for n in os.listdir(root) if n.startswith(C.PREFIX) and "." in n]
+        assert not left, f"killed before move {at} of {moves}: {left} left after a restart"
 
 
 def test_a_fresh_run_over_an_old_folder_keeps_its_own_checkpoints(tmp_path):
