@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from dtl.exercise_seam import exercise
 from dtl.model import GPTConfig, num_params
-from dtl.model import flops_per_token as dtl_flops_per_token
 from dtl.precision import PRECISIONS
 
 CONVENTIONS = ("kaplan", "palm", "causal", "megatron", "megatron_recompute")
 
 
+@exercise("day27.flops_per_token")
 def flops_per_token(
     cfg: GPTConfig, seq_len: int, convention: str = "palm", n_params: int | None = None
 ) -> float:
@@ -43,10 +44,19 @@ def flops_per_token(
     if convention == "kaplan":
         return 6 * 12 * L * C * C
     if convention in ("palm", "causal"):
-        causal = convention == "causal"
-        if n_params is None:  # the kit's definition of N (dtl.model.flops_per_token)
-            return dtl_flops_per_token(cfg, seq_len, causal_halved=causal)
-        return 6 * n_params + (6 if causal else 12) * L * H * Q * T
+        # 6N + the attention term. N: the weights a matmul multiplies, as dtl.model counts them
+        # (num_params(cfg, exclude_position_embedding=True) is every parameter but wpe; an
+        # untied wte is a lookup too, while a tied one stands for lm_head's matmul). Attention:
+        # per layer, head and token, Q·K^T and P·V are 2·T·Q FLOPs each forward, twice that
+        # backward; "causal" counts half the scores. -> a float, FLOPs per token
+        # exercise day27.flops_per_token: begin
+        if n_params is None:
+            n_params = num_params(cfg, exclude_position_embedding=True)
+            if not cfg.tie_weights:
+                n_params -= V * C  # the untied wte: a lookup, no matmul
+        attention = 12 * L * H * Q * T  # 3 passes x 2 matmuls x 2·T·Q, per layer and head
+        return 6 * n_params + (attention / 2 if convention == "causal" else attention)
+        # exercise day27.flops_per_token: end
     if convention == "megatron":
         return 72 * L * C * C * (1 + T / (6 * C) + V / (12 * L * C))
     if convention == "megatron_recompute":

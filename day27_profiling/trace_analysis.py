@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtl.exercise_seam import exercise
 from dtl.profile import Span, gpu_side, is_nccl_kernel, merge, parse_trace
 
 Intervals = list[tuple[float, float]]
@@ -107,15 +108,22 @@ def _step_window(spans: list[Span]) -> tuple[float, float]:
     return min(s.start_ms for s in spans), max(s.end_ms for s in spans)
 
 
+@exercise("day27.trace_cut")
 def cut(window: tuple[float, float], compute: Intervals, comm: Intervals, clock="host"):
     """The step [lo, hi] cut into compute, comm hidden (comm ∩ compute), comm exposed (comm −
     compute) and idle (neither): one definition for host ranges, kernels and Nsight reports."""
     lo, hi = window
     clip = [(lo, hi)]
+    # compute and comm may run past the window (a kernel still going when it ends): only the
+    # step's part counts. Then four lists of intervals, with intersect, subtract (and `+`, a
+    # union once merged): compute, hidden, exposed, idle, so that
+    # step = compute + exposed + idle and comm = hidden + exposed
+    # exercise day27.trace_cut: begin
     compute, comm = intersect(compute, clip), intersect(comm, clip)
     hidden = intersect(comm, compute)
     exposed = subtract(comm, compute)
     idle = subtract(clip, compute + comm)
+    # exercise day27.trace_cut: end
     rel = {
         name: [(s - lo, e - lo) for s, e in merge(v)]
         for name, v in dict(compute=compute, hidden=hidden, exposed=exposed, idle=idle).items()

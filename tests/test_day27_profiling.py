@@ -22,7 +22,7 @@ from day27_profiling import profile as wrapper
 from day27_profiling.profile import trace_path, wrapped_line
 from dtl import config as dtl_config
 from dtl import profile as dtl_profile
-from dtl.model import GPT, preset
+from dtl.model import GPT, flops_per_token, preset
 
 
 def test_flops_per_token_equal_the_published_figures_for_gpt2_124m():
@@ -34,6 +34,17 @@ def test_flops_per_token_equal_the_published_figures_for_gpt2_124m():
     for row in checks.values():
         if row["published"] < 1:  # MFU figures derived from published step times
             assert row["ours"] == pytest.approx(row["published"], abs=0.01), row["what"]
+
+
+@pytest.mark.parametrize("name, tied", [("tiny", True), ("small", False), ("gpt2-124m", True)])
+def test_palm_and_causal_count_n_as_the_kit_does_so_every_days_mfu_agrees(name, tied):
+    """Day 27's 6N + attention is dtl.model.flops_per_token, the count days 22, 23 and 28 plan
+    and report with: the same N (no wpe; an untied wte left out), the same attention term."""
+    cfg = preset(name, tie_weights=tied)
+    for seq in (32, cfg.block_size):
+        assert mfu.flops_per_token(cfg, seq, "palm") == flops_per_token(cfg, seq)
+        want = flops_per_token(cfg, seq, causal_halved=True)
+        assert mfu.flops_per_token(cfg, seq, "causal") == want
 
 
 def test_conventions_differ_exactly_by_the_attention_and_recompute_terms():
