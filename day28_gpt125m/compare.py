@@ -32,12 +32,12 @@ import json
 import os
 from dataclasses import dataclass
 
-from day18_zero import formulas as zero_formulas
 from day22_megatron import formulas, plan
 from day22_megatron.step_model import GB, ClusterConfig
 from day28_gpt125m import fit
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.exercise_seam import exercise
 from dtl.model import PRESETS, GPTConfig, flops_per_token, num_params, preset
 
 BF16 = 2  # bytes of a parameter or gradient element ZeRO-3 sends
@@ -79,6 +79,7 @@ class Config(ClusterConfig):  # + the cluster and step-model fields (day 22's Cl
                     )
 
 
+@exercise("day28.zero3_traffic")
 def zero3_traffic_bytes(psi: int, gpus: int, micro_steps: int) -> float:
     """Bytes one rank sends per optimizer step under DeepSpeed's ZeRO-3: on every micro-step
     the bf16 parameters are all-gathered in forward and again in backward (each layer frees
@@ -86,7 +87,13 @@ def zero3_traffic_bytes(psi: int, gpus: int, micro_steps: int) -> float:
     holds whole gradients to accumulate in): day 18's 3Ψ(N-1)/N elements, three passes of
     Ψ(N-1)/N each (measured there), micro_steps times. (Megatron's distributed optimizer
     accumulates whole gradients and reduces them once per step: plan.py's DP row.)"""
-    return micro_steps * zero_formulas.comm_bytes_per_rank(psi, gpus, 3, BF16)
+    # one ring collective over Ψ elements on N = gpus ranks: each rank sends (N-1)/N of them,
+    # BF16 bytes each (day18_zero/formulas.py:comm_bytes_per_rank counts the same per step)
+    # exercise day28.zero3_traffic: begin
+    per_pass = BF16 * psi * (gpus - 1) / gpus  # one all-gather or one reduce-scatter
+    passes = 3  # gather for forward, gather again for backward, reduce-scatter the gradients
+    return micro_steps * passes * per_pass
+    # exercise day28.zero3_traffic: end
 
 
 def zero3_row(name: str, gpus: int, cfg: Config) -> dict:

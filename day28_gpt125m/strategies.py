@@ -17,10 +17,10 @@ Each strategy is a class in REGISTRY that says what it supports (model paralleli
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it): adding one is
 a class here with @register, and the config, the fit check and the tests take it from there.
 
-Checkpoints: DDP and FSDP2 through day 24's Checkpointer (DCP: sharded, atomic, reshardable),
-DeepSpeed's ZeRO through its save_checkpoint, our TP + PP and TP + SP through the same Checkpointer
-with every TP shard a DTensor (day24_checkpoint/sharded.py: loads at another tp, pp or dp);
-megatron-core's is its dist_checkpointing, not wired here (train.py refuses --resume).
+Checkpoints: DDP, FSDP2, our TP + PP and TP + SP through day 24's Checkpointer (DCP: sharded,
+atomic, reshardable; every TP shard a DTensor, day24_checkpoint/sharded.py, loads at another tp,
+pp or dp), DeepSpeed's ZeRO through its save_checkpoint; megatron-core's dist_checkpointing is
+not wired here (train.py refuses --resume).
 
 Every strategy takes the same recipe (AdamW betas 0.9/0.95, decay on matrices only, global-norm
 clipping, the learning rate of this step) and the same global batch, so every one must train like
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from day28_gpt125m.recipe import Recipe, autocast, make_adamw
 from day28_gpt125m.strategy import REGISTRY, Strategy, register
 from dtl import profile as dtl_profile
+from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
@@ -83,11 +84,14 @@ class TorchData(Strategy):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    @exercise("day28.strategy_step")
     def step(self, micro_batches, lr):
+        # k micro-batches: loss_fn(self.model(x), y) / k each, under autocast(self.r, self.device);
+        # gradients sync only in the last one (the others inside self.sync_off(): DDP decides in
+        # forward). Then the global norm clipped at self.r.clip, the lr, the update -> total, norm
+        # exercise day28.strategy_step: begin
         total, k = 0.0, len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
-            # no gradient sync before the last micro-batch, for its forward too (DDP decides
-            # in forward whether this backward all-reduces: karpathy/build-nanogpt PR #30)
             with self.sync_off() if i < k - 1 else contextlib.nullcontext():
                 with dtl_profile.range(dtl_profile.FORWARD), autocast(self.r, self.device):
                     loss = loss_fn(self.model(x), y) / k
@@ -100,6 +104,7 @@ class TorchData(Strategy):
         set_lr(self.optimizer, lr)
         with dtl_profile.range(dtl_profile.OPTIMIZER):
             self.optimizer.step()
+        # exercise day28.strategy_step: end
         if self.measure_state:
             # an FSDP2 parameter counts its local shard only: what is in this rank's memory;
             # AdamW's 4-byte step counters are no per-parameter state (the formula's 16 Ψ)
@@ -159,6 +164,7 @@ class DeepSpeedZero(Strategy):
     by the kit (dtl.deepspeed.check_sections) before any collective."""
 
     stage = 0
+    extras = ("deepspeed",)
     precisions = ("fp32", "bf16")  # DeepSpeed's bf16 section (fp16's loss scaler: not wired)
     suggested_when_short = True
     no_recompute = "--recompute is not wired for DeepSpeed here (untested); use ddp, fsdp2, tp_pp"
@@ -185,7 +191,6 @@ class DeepSpeedZero(Strategy):
         from dtl.deepspeed import check_sections, import_deepspeed
 
         gpt = GPT(cfg, seed=seed)  # DeepSpeed moves it to the accelerator's device
-
         deepspeed = import_deepspeed(device.type)  # its accelerator = the run's device
         self.r = r
         adamw = r.optim.deepspeed_params()
@@ -368,6 +373,7 @@ class Megatron(Pipelined):
     """megatron-core itself (day 22's mcore library), the recipe's lr set per step."""
 
     name = "megatron"
+    extras = ("megatron",)
     distributed_optimizer = True  # its DistributedOptimizer: Adam's m and v sharded over dp
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
     no_recompute = "--recompute is not wired for megatron (its recompute_granularity); use tp_pp"

@@ -1,10 +1,10 @@
 """Day 28: the interface every strategy fills in, and the registry that lists them.
 
 A strategy is a class with a name, what it supports (model parallelism, --precision, --compile,
-checkpoints), its predicted per-rank model state (fit.py asks it), how it is built from the
-recipe and the grid, and one optimizer step. strategies.py holds the course's strategies; a new
-one is a class there with @register, and train.py's --strategy, fit.py and the tests take it
-from REGISTRY.
+checkpoints), the optional extras it needs (deepspeed, megatron), its predicted per-rank model
+state (fit.py asks it), how it is built from the recipe and the grid, and one optimizer step.
+strategies.py holds the course's strategies; a new one is a class there with @register, and
+train.py's --strategy, fit.py and the tests take it from REGISTRY.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Strategy:
     measures_state = True  # counts this rank's model-state bytes at the last step
     suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
     no_checkpoints = ""  # why --resume / --save_every are refused ("" : they work)
+    extras: tuple[str, ...] = ()  # the optional extras it imports; its tests skip without them
     last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 

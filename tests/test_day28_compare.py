@@ -17,15 +17,27 @@ from dtl.script_server import run_script
 
 
 def test_zero3_sends_three_passes_of_bf16_parameters_on_every_micro_step():
+    """compare.zero3_traffic_bytes alone (no memory model): day 18's ZeRO-3 volume, 3Ψ(N-1)/N
+    bf16 elements, on every micro-step; a count of two passes once per step is far too small."""
+    psi = num_params(compare.MODELS["gpt-6.6b"])
+    micro_steps = 4_194_304 // (4096 * 1 * 16)  # tokens / (seq_len x micro-batch x GPUs): 64
+    per_micro_step = zero_formulas.comm_bytes_per_rank(psi, 16, 3, 2)
+    sent = compare.zero3_traffic_bytes(psi, 16, micro_steps)
+    assert sent == pytest.approx(micro_steps * per_micro_step)
+    once = 2 * 2 * psi * 15 / 16  # 2 x 2Ψ(N-1)/N once per step: 64 x 3/2 = 96 times too small
+    assert sent / once == pytest.approx(96)
+    # gpt3-125m on 8 GPUs, 4 micro-steps: 24Ψ(N-1)/N bytes; one rank alone sends nothing
+    small = num_params(compare.MODELS["gpt3-125m"])
+    assert compare.zero3_traffic_bytes(small, 8, 4) == pytest.approx(24 * small * 7 / 8)
+    assert compare.zero3_traffic_bytes(small, 1, 4) == 0
+
+
+def test_the_zero3_row_counts_every_micro_step_and_crosses_infiniband_past_a_node():
     model = compare.MODELS["gpt-6.6b"]
-    micro_steps = 4_194_304 // (4096 * 1 * 16)  # tokens / (seq_len x micro-batch x GPUs)
     row = compare.zero3_row("gpt-6.6b", 16, compare.Config())
-    per_pass = zero_formulas.comm_bytes_per_rank(num_params(model), 16, 3, 2)
-    assert row["m"] == micro_steps == 64
-    assert row["comm_gb"] * GB == pytest.approx(micro_steps * per_pass)
-    # the old count, 2 x 2Ψ(N-1)/N once per step, was 64 x 3/2 = 96 times too small
-    once = 2 * 2 * num_params(model) * 15 / 16
-    assert row["comm_gb"] * GB / once == pytest.approx(96)
+    assert row["m"] == 64  # micro-batch 1 of 4096 tokens: 4,194,304 / (4096 x 16)
+    want = compare.zero3_traffic_bytes(num_params(model), 16, row["m"])
+    assert row["comm_gb"] * GB == pytest.approx(want)
     # 16 GPUs span two nodes of 8: the traffic crosses InfiniBand at 50 GB/s
     assert row["comm_s"] == pytest.approx(row["comm_gb"] / 50)
 

@@ -1,15 +1,17 @@
 """Day 28: every strategy trains the ~125M recipe like one process (on `tiny`), resumes exactly,
 its model state is what fit.py predicts; the data pipeline feeds the rows dtl.data does.
 
-The strategies come from strategies.REGISTRY. One 2-rank spawn runs the data-parallel ones (ddp,
-fsdp2, zero2, zero3), each cut in two (stop after step 4 with a checkpoint, resume in a fresh
-strategy, finish); one 4-rank spawn runs the model-parallel ones: tp_pp at tp 2 x pp 2 (also cut
-and resumed), tp_sp at tp 2 x dp 2 with full activation recomputation (cut and resumed), and
-megatron at tp 2 x pp 2 (whole: no checkpoints). A resumed run equal to one process over all 8
-steps is an exact resume: any state lost at the cut shows in steps 5-8. Reference: the dtl GPT in
-one process, the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up +
-cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5 (measured ~1e-7),
-parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
+The strategies come from strategies.REGISTRY. 2-rank spawns run the data-parallel ones, torch's
+(ddp, fsdp2) in one and DeepSpeed's (zero2, zero3) in another; 4-rank spawns run the
+model-parallel ones, the course's tp_pp at tp 2 x pp 2 and tp_sp at tp 2 x dp 2 with full
+activation recomputation in one, megatron at tp 2 x pp 2 in another. Each trains the 8 steps
+whole; every strategy with checkpoints (all but megatron) trains them again, in a spawn of its
+own, cut in two (stop after step 4 with a checkpoint, resume in a fresh strategy, finish). A
+resumed run equal to one process over all 8 steps is an exact resume: any state lost at the cut
+shows in steps 5-8. The tests of a library's strategies skip without its extra; the others need
+none. Reference: the dtl GPT in one process, the recipe's AdamW (0.9, 0.95), decay on matrices,
+clipping at 1.0 and the warm-up + cosine schedule, on the same global batches. Tolerances:
+losses rtol 1e-5 (measured ~1e-7), parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
 import os
@@ -30,13 +32,8 @@ from dtl.grid import ParallelGrid
 from dtl.model import GPT, num_params, preset
 from dtl.testing import needs_extras, run_distributed, script_error
 
-pytestmark = needs_extras("deepspeed", "megatron")
 STEPS, CUT = 8, 4
-# every registered strategy is tested: the data-parallel ones on 2 ranks, the others on 4 (tp=pp=2)
-DATA_PARALLEL = [n for n, kind in REGISTRY.items() if not kind.model_parallel]
-MODEL_PARALLEL = [n for n, kind in REGISTRY.items() if kind.model_parallel]
 RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints]
-MEASURED = [(n, 4 if k.model_parallel else 2) for n, k in REGISTRY.items() if k.measures_state]
 
 
 def _sizes(strategy) -> tuple[int, int]:
@@ -45,6 +42,24 @@ def _sizes(strategy) -> tuple[int, int]:
     if not kind.model_parallel:
         return 1, 1
     return 2, 2 if kind.pipelines else 1
+
+
+def _world(strategy) -> int:
+    return 4 if REGISTRY[strategy].model_parallel else 2
+
+
+def _cases(*, model_parallel=None, libraries=None, measured=False, resumable=False) -> list:
+    """The registered strategies of one kind (None: either), each marked with the extras it
+    imports: DeepSpeed's and megatron-core's apart, so that torch's and the course's own run
+    without them."""
+    return [
+        pytest.param(n, marks=needs_extras(*kind.extras))
+        for n, kind in REGISTRY.items()
+        if model_parallel in (None, kind.model_parallel)
+        and libraries in (None, bool(kind.extras))
+        and (kind.measures_state or not measured)
+        and (not kind.no_checkpoints or not resumable)
+    ]
 
 
 # tp_sp trains with full recomputation: SP's all-gathers and reduce-scatters rerun in backward
@@ -62,14 +77,14 @@ def _config(strategy, tmp, **kw) -> train.Config:
     return cfg
 
 
-def _runs(tmp, strategies, resumed):
-    """Each strategy's losses over the whole schedule, its final parameters and state. A
-    strategy in `resumed` trains it cut in two: stop after step CUT with a checkpoint, restart
-    from it in a fresh strategy, finish; its losses must still be the one-process run's."""
+def _runs(tmp, strategies, resumed: bool):
+    """Each strategy's losses over the whole schedule, its final parameters and state. Resumed:
+    trained cut in two, stopped after step CUT with a checkpoint, restarted from it in a fresh
+    strategy, finished; its losses must still be the one-process run's."""
     info = dtl_dist.init()
     out = {}
     for name in strategies:
-        if name in resumed:
+        if resumed:
             ckpt = os.path.join(tmp, f"ck-{name}")
             cut = _config(name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
             grid = ParallelGrid(tp=cut.tp, pp=cut.pp, dp=cut.dp)
@@ -87,16 +102,29 @@ def _runs(tmp, strategies, resumed):
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("d28w2"))
-    return run_distributed(_runs, tmp, DATA_PARALLEL, RESUMABLE, world_size=2, timeout_s=300)
+_SPAWNS: dict = {}  # (world, extras, resumed) -> every rank's results of that spawn, or its error
 
 
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("d28w4"))
-    return run_distributed(_runs, tmp, MODEL_PARALLEL, RESUMABLE, world_size=4, timeout_s=300)
+def _ranks(name, tmp_path_factory, resumed: bool = False) -> list[dict]:
+    """Every rank's run of `name`, whole or cut and resumed. The strategies of one world that
+    import the same extras (torch's ddp and fsdp2; tp_pp and tp_sp; DeepSpeed's; megatron-core's)
+    train in one spawn, started by the first test that asks, in its own body: a strategy that
+    raises fails the tests of its spawn, with its traceback, and no other. The cut runs spawn
+    apart, so that a broken checkpoint fails the resume tests only."""
+    key = (_world(name), REGISTRY[name].extras, resumed)
+    if key not in _SPAWNS:
+        group = [n for n in (RESUMABLE if resumed else REGISTRY)
+                 if (_world(n), REGISTRY[n].extras) == key[:2]]  # fmt: skip
+        tmp = str(tmp_path_factory.mktemp(f"d28w{key[0]}"))
+        try:
+            _SPAWNS[key] = run_distributed(
+                _runs, tmp, group, resumed, world_size=key[0], timeout_s=300
+            )
+        except Exception as e:  # the spawn's other tests fail with it too, without a rerun
+            _SPAWNS[key] = e
+    if isinstance(_SPAWNS[key], Exception):
+        raise _SPAWNS[key]
+    return [runs[name] for runs in _SPAWNS[key]]
 
 
 @pytest.fixture(scope="module")
@@ -121,34 +149,57 @@ def _check(run, reference, name):
     assert gap <= 1e-5, f"{name}: parameters {gap:.1e} from one process"
 
 
-@pytest.mark.parametrize("name", DATA_PARALLEL)
-def test_data_parallel_strategies_cut_and_resumed_train_like_one_process(
-    two_ranks, reference, name
-):
-    _check(two_ranks[0][name], reference, name)
-
-
-@pytest.mark.parametrize("name", MODEL_PARALLEL)
-def test_model_parallel_strategies_train_like_one_process(four_ranks, reference, name):
-    _check(four_ranks[0][name], reference, name)
-
-
-@pytest.mark.parametrize("name, world", MEASURED)
-def test_measured_state_of_every_rank_is_the_prediction_for_its_stage(
-    two_ranks, four_ranks, name, world
-):
-    tp, pp = _sizes(name)
-    ranks = two_ranks if world == 2 else four_ranks
-    for rank, runs in enumerate(ranks):  # every rank: the last pipeline stage holds the head
-        run = runs[name]
+def _check_state(ranks, name):
+    """Every rank's measured model state is its stage's prediction, to the byte; the fullest
+    rank's is what fit.py sizes the run by."""
+    tp, pp, world = *_sizes(name), _world(name)
+    for rank, run in enumerate(ranks):  # every rank: the last pipeline stage holds the head
         got = sum(run["state"].values())
         want = REGISTRY[name].predicted_rank_state(
             preset("tiny"), world=world, tp=tp, pp=pp, pp_rank=run["pp_rank"]
         )
         assert got == want, f"{name} rank {rank}: {got:,} vs {want:,.0f}"  # to the byte
-    fullest = max(sum(r[name]["state"].values()) for r in ranks)  # what fit.py sizes by
+    fullest = max(sum(r["state"].values()) for r in ranks)  # what fit.py sizes by
     want = fit.predicted_bytes(preset("tiny"), name, world=world, tp=tp, pp=pp)["resident"]
     assert fullest == want, f"{name}: fullest {fullest:,} vs {want:,.0f}"
+
+
+@pytest.mark.parametrize("name", _cases(model_parallel=False, libraries=False))
+def test_data_parallel_strategies_train_like_one_process(reference, name, tmp_path_factory):
+    _check(_ranks(name, tmp_path_factory)[0], reference, name)
+
+
+@pytest.mark.parametrize("name", _cases(model_parallel=True, libraries=False))
+def test_model_parallel_strategies_train_like_one_process(reference, name, tmp_path_factory):
+    _check(_ranks(name, tmp_path_factory)[0], reference, name)
+
+
+@pytest.mark.parametrize("name", _cases(libraries=True))
+def test_deepspeed_and_megatron_core_strategies_train_like_one_process(
+    reference, name, tmp_path_factory
+):
+    _check(_ranks(name, tmp_path_factory)[0], reference, name)
+
+
+@pytest.mark.parametrize("name", _cases(resumable=True))
+def test_strategies_cut_and_resumed_train_like_one_process(reference, name, tmp_path_factory):
+    """An exact resume: any state the checkpoint loses shows in steps 5-8."""
+    _check(_ranks(name, tmp_path_factory, resumed=True)[0], reference, name)
+
+
+@pytest.mark.parametrize("name", _cases(model_parallel=False, libraries=False, measured=True))
+def test_measured_state_of_data_parallel_strategies_is_the_prediction(name, tmp_path_factory):
+    _check_state(_ranks(name, tmp_path_factory), name)
+
+
+@pytest.mark.parametrize("name", _cases(model_parallel=True, libraries=False, measured=True))
+def test_measured_state_of_every_rank_is_the_prediction_for_its_stage(name, tmp_path_factory):
+    _check_state(_ranks(name, tmp_path_factory), name)
+
+
+@pytest.mark.parametrize("name", _cases(libraries=True, measured=True))
+def test_measured_state_on_deepspeed_and_megatron_core_is_the_prediction(name, tmp_path_factory):
+    _check_state(_ranks(name, tmp_path_factory), name)
 
 
 # --- the data pipeline -------------------------------------------------------------------------
