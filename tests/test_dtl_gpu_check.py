@@ -43,7 +43,7 @@ def test_the_plan_covers_what_only_a_gpu_can_show_and_fits_eight_minutes():
 
 
 def _planned(name: str, estimate_s: int, command: str) -> gpu_check.Planned:
-    lesson = registry.Lesson(99, "day99", "t", "p")
+    lesson = registry.Lesson(99, "day99", "t", "i", "p")
     run = registry.Run(name, command, command, expect=["^summary: "])
     return gpu_check.Planned(gpu_check.CheckLine(99, name, estimate_s, "why"), lesson, run)
 

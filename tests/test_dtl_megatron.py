@@ -256,7 +256,7 @@ def test_cpu_shim_refuses_another_megatron_version(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     monkeypatch.delenv(dm.ANY_VERSION_ENV, raising=False)
     original = torch.cuda.current_device
-    with pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.x, found 0\.17\.0"):
+    with pytest.raises(RuntimeError, match=r"patches megatron-core 0\.16\.x, found 0\.17\.0"):
         with dm.cpu_shim():
             pass
     assert torch.cuda.current_device is original
