@@ -34,6 +34,7 @@ from day19_tp.activations import korthikanti_bytes, layer_terms, saved_activatio
 from day19_tp.tp import apply_tp, tp_loss
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.comm import CommCounter
 from dtl.grid import ParallelGrid
 from dtl.metrics import write_csv
@@ -57,6 +58,8 @@ class Config:
             raise dtl_config.ConfigError(
                 f"seq_len {self.seq_len} exceeds {self.model}'s block_size"
             )
+        if self.part == "ratio":  # ours against megatron-core's TransformerLayer
+            extras.require("part=ratio", "megatron")
 
 
 def _tp_sizes(world: int, cfg) -> list[int]:

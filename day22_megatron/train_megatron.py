@@ -32,7 +32,6 @@ losses, gradient norms and parameters.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from day22_megatron.layouts import padded_preset
 from day22_megatron.megatron_gpt import gather_dense
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
@@ -116,8 +116,6 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        if importlib.util.find_spec("megatron") is None:
-            raise err("megatron-core is not installed: pip install -e '.[megatron]'")
         cfg = self.model_config()
         try:
             lay = self.layout
@@ -141,6 +139,7 @@ class Config:
         if PRECISIONS[self.precision].loss_scaling:
             raise err(f"--precision={self.precision} needs megatron's loss scaler, which this "
                       "course does not wire; use bf16")  # fmt: skip
+        extras.require("train_megatron", "megatron")  # after the checks that need no library
         name = lay.name(self.sequence_parallel)
         self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"
 

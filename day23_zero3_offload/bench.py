@@ -32,6 +32,7 @@ from typing import Literal
 from day23_zero3_offload import checks, measure, predict, train
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.deepspeed import use_run_accelerator
 from dtl.metrics import write_csv
 from dtl.model import PRESETS, PresetName
@@ -83,6 +84,7 @@ class Config:
             checks.check_nvme_path(self.nvme_path)
         except checks.ExplainError as e:
             raise dtl_config.ConfigError(str(e)) from None
+        extras.require("day23_zero3_offload.bench", "deepspeed")
 
 
 def _run_cfg(cfg: Config, template: str, tag: str, model: str | None = None) -> train.Config:

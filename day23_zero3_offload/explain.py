@@ -33,6 +33,7 @@ from day23_zero3_offload.predict import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.deepspeed import DsConfigError
 from dtl.model import PRESETS, GPTConfig, PresetName
 
@@ -53,8 +54,10 @@ class Config:
             raise dtl_config.ConfigError(f"world must be >= 1, got {self.world}")
         paths = [self.ds_config] if self.ds_config else [template_path(t) for t in TEMPLATES]
         try:
-            for path in paths:
-                check(read(path), self.world, nvme=False)  # the NVMe folder is the user's
+            configs = [read(path) for path in paths]  # a wrong path is named without DeepSpeed
+            extras.require("day23_zero3_offload.explain", "deepspeed")  # check() asks DeepSpeed
+            for ds in configs:
+                check(ds, self.world, nvme=False)  # the NVMe folder is the user's
         except DsConfigError as e:
             raise dtl_config.ConfigError(str(e)) from None
 

@@ -42,6 +42,7 @@ from day23_zero3_offload.predict import (
     totals,
 )
 from dtl import config as dtl_config
+from dtl import extras
 from dtl.deepspeed import import_deepspeed
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, PresetName, loss_fn
@@ -60,6 +61,7 @@ class Config:
 
     def validate(self) -> None:
         dtl_config.int_list("ns", self.ns)
+        extras.require("day23_zero3_offload.scale", "deepspeed")  # it simulates DeepSpeed's engine
 
 
 def ds_config(template: str, world: int) -> dict:

@@ -33,6 +33,7 @@ import torch
 from day23_zero3_offload import checks, measure, predict
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import (
     DsConfigError,
@@ -83,6 +84,10 @@ class Config:
         err = dtl_config.ConfigError
         if self.seq_len > self.model_config().block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
+        if (self.save_at or self.resume) and not self.ckpt_dir:
+            raise err("--save_at and --resume need --ckpt_dir")
+        if self.save_at >= self.steps:
+            raise err(f"save_at {self.save_at} must be < steps {self.steps}")
         world = dtl_dist.launch_world_size()
         self.skip_reason = ""
         try:
@@ -92,17 +97,15 @@ class Config:
                           "CPU, and this run's device is the CPU); use bf16")  # fmt: skip
             # DeepSpeed's accelerator = the run's device, before checks.check imports DeepSpeed
             use_run_accelerator(device_type)
-            checks.check(self.load_ds_config(), world)
+            ds = self.load_ds_config()  # the file first: a wrong path is named without DeepSpeed
+            extras.require("day23_zero3_offload.train", "deepspeed")  # check() imports it
+            checks.check(ds, world)
         except checks.MissingLibaio as e:
             self.skip_reason = str(e)  # a SKIP in the tour, not a failure (lessons.toml)
         except DsConfigError as e:
             raise err(str(e)) from None
         name = os.path.splitext(os.path.basename(self.ds_path))[0]
         self.out_dir = self.out_dir or f"outputs/day23_zero3_offload/{name}"
-        if (self.save_at or self.resume) and not self.ckpt_dir:
-            raise err("--save_at and --resume need --ckpt_dir")
-        if self.save_at >= self.steps:
-            raise err(f"save_at {self.save_at} must be < steps {self.steps}")
         if self.resume:
             tag = os.path.join(self.ckpt_dir, "latest")
             if not os.path.isfile(tag):

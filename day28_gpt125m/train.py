@@ -51,6 +51,7 @@ from day28_gpt125m.strategies import (
 )
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl import profile as dtl_profile
 from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
 from dtl.grid import ParallelGrid
@@ -170,6 +171,7 @@ class Config:
             raise err(f"stop_at {self.stop_at} must be between 0 and steps {self.steps}")
         if self.resume and not os.path.isfile(os.path.join(self.ckpt_dir, "latest")):
             raise err(f"--resume: no checkpoint in {self.ckpt_dir} (no 'latest' file)")
+        extras.require(f"--strategy={self.strategy}", *REGISTRY[self.strategy].extras)
 
 
 def tokens_folder(cfg: Config) -> str:

@@ -25,7 +25,6 @@ other one. `import_deepspeed` is how every day imports it.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -35,9 +34,8 @@ from functools import lru_cache
 import torch.distributed as dist
 
 from dtl import dist as dtl_dist
+from dtl import extras
 from dtl.optim import OptimConfig
-
-INSTALL_HINT = "pip install -e '.[deepspeed]' (the project's deepspeed extra)"
 
 
 class DsConfigError(ValueError):
@@ -115,10 +113,11 @@ def _honour_zero_init_dtype(init_cls) -> None:
     init_cls._set_dtype = _set_dtype
 
 
-def require_deepspeed() -> None:
-    if importlib.util.find_spec("deepspeed") is None:
+def require_deepspeed(what: str = "impl=deepspeed") -> None:
+    """`what` stops in one line (a DsConfigError) when DeepSpeed is not installed."""
+    if extras.missing(["deepspeed"]):
         raise DsConfigError(
-            f"impl=deepspeed needs DeepSpeed, which is not installed: {INSTALL_HINT}"
+            f"{what} needs DeepSpeed, which is not installed: {extras.install_hint(['deepspeed'])}"
         )
 
 
@@ -235,9 +234,9 @@ def load_ds_config(
 ) -> dict:
     """Read, check and complete a ds_config for a run on `device_type`; raises DsConfigError
     (one line). DeepSpeed's accelerator is set to `device_type` before DeepSpeed is imported."""
+    ds = read_ds_config(path)
     require_deepspeed()
     use_run_accelerator(device_type)
-    ds = read_ds_config(path)
     want_batch = micro_batch * grad_accum * world_size
     _resolve(ds, ("train_micro_batch_size_per_gpu",), micro_batch, "--batch_size")
     _resolve(ds, ("gradient_accumulation_steps",), grad_accum, "--grad_accum")

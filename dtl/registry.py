@@ -17,6 +17,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
+from dtl import extras as dtl_extras
 from dtl import script_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,9 @@ class Run:
     # day re-running an earlier one's script): without it such a run is refused, so a line
     # pasted under the wrong day (and run twice by the tour) fails at load time
     cross_day: bool = False
+    # the optional extras (pyproject's optional-dependencies) the line needs: without one the
+    # run is a SKIP that names it, as the script itself stops in one line saying so
+    extras: list[str] = field(default_factory=list)
 
     def patterns(self, gpu: bool) -> list[str]:
         return self.gpu_expect if gpu and self.gpu_expect is not None else self.expect
@@ -68,6 +72,9 @@ class Run:
             raise ValueError(f"lessons.toml run '{self.name}': kind must be one of {KINDS}")
         if not isinstance(self.min_gpus, int) or self.min_gpus < 1:
             raise ValueError(f"lessons.toml run '{self.name}': min_gpus must be an integer >= 1")
+        unknown = set(self.extras) - set(dtl_extras.EXTRA_MODULES)
+        if unknown:
+            raise ValueError(f"lessons.toml run '{self.name}': unknown extras {sorted(unknown)}")
 
 
 def launched_package(line: str) -> str:
@@ -206,6 +213,9 @@ def execute(
     has imported torch already, instead of a fresh `torchrun` process: the same program
     (torch.distributed.run, torchrun's entry point) with the same arguments and environment,
     ~3 s sooner. Its workers are fresh processes either way."""
+    absent = dtl_extras.missing(run.extras)
+    if absent:
+        return skipped(lesson, run, dtl_extras.skip_reason(absent))
     line = (run.gpu if gpu else run.cpu) + (f" {extra_args}" if extra_args else "")
     limit = (run.gpu_timeout_s or run.timeout_s) if gpu else run.timeout_s
     words = shlex.split(line)

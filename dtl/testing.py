@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtl import extras as dtl_extras
 from dtl.dist import cleanup
 from dtl.script_server import run_script
 
@@ -46,9 +47,6 @@ def script_error(module: str, *args: str, env: dict | None = None, timeout_s: fl
     return lines[0]
 
 
-MISSING_EXTRA = "missing extra"  # every skip for a missing Python extra says this
-
-
 def needs_extras(*extras: str):
     """skipif for a test (or a whole file: `pytestmark = needs_extras("deepspeed")`) that needs
     optional Python extras. `make test` sets DTL_REQUIRE_EXTRAS=1, and tests/conftest.py then
@@ -56,22 +54,8 @@ def needs_extras(*extras: str):
     would hide a broken install, never excuse it. (libaio is a system package: not an extra.)"""
     import pytest
 
-    missing = [e for e in extras if not _installed(EXTRA_MODULES.get(e, e))]
-    why = f"{MISSING_EXTRA}: {', '.join(missing)} (pip install -e '.[{','.join(missing)}]')"
-    return pytest.mark.skipif(bool(missing), reason=why)
-
-
-EXTRA_MODULES = {"deepspeed": "deepspeed", "megatron": "megatron.core"}  # extra -> what it installs
-
-
-def _installed(module: str) -> bool:
-    """`module` importable (find_spec of a dotted name needs its parent package to exist)."""
-    import importlib.util
-
-    parent = module.split(".")[0]
-    return importlib.util.find_spec(parent) is not None and (
-        importlib.util.find_spec(module) is not None
-    )
+    absent = dtl_extras.missing(extras)
+    return pytest.mark.skipif(bool(absent), reason=dtl_extras.skip_reason(absent))
 
 
 class RankFailed(AssertionError):

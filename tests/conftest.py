@@ -24,10 +24,10 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)  # two cores, two ranks: one thread each, this process included
 
 
-# --- make test: a missing Python extra fails, it does not skip (dtl.testing.needs_extras) ------
+# --- make test: a missing Python extra fails, it does not skip (dtl.extras) -------------------
 import pytest  # noqa: E402
 
-from dtl.testing import MISSING_EXTRA  # noqa: E402
+from dtl.extras import MISSING_EXTRA  # noqa: E402
 
 
 def _strict(report) -> None:

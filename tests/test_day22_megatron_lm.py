@@ -17,6 +17,7 @@ import pytest
 
 from day22_megatron import train_megatron
 from dtl import config as dtl_config
+from dtl import extras
 from dtl.testing import needs_extras
 
 DAY = Path(train_megatron.__file__).resolve().parent
@@ -119,8 +120,9 @@ def test_snapshots_are_of_the_megatron_core_release_installed():
     tags = {re.search(r"^# Megatron-LM core_v(\d+\.\d+\.\d+) \([0-9a-f]{40}\)", h) for h in headers}
     assert None not in tags, headers
     (release,) = {t.group(1) for t in tags}  # both read at one commit
-    if importlib.util.find_spec("megatron") is None:
-        pytest.skip("megatron-core is not installed: pip install -e '.[megatron]'")
+    absent = extras.missing(["megatron"])
+    if absent:
+        pytest.skip(extras.skip_reason(absent))
     installed = importlib.metadata.version("megatron-core")
     assert installed.split(".")[:2] == release.split(".")[:2], (installed, release)
 

@@ -326,6 +326,7 @@ def test_missing_libaio_names_the_package(monkeypatch):
     checks.check(_template("cpu"), world=2)  # no NVMe, no libaio needed
 
 
+@needs_deepspeed
 def test_train_script_stops_on_a_bad_config_with_one_line(tmp_path):
     path = tmp_path / "bad.json"
     ds = _template("cpu")

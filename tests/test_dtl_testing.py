@@ -239,7 +239,9 @@ def test_a_missing_extra_skips_but_fails_under_make_tests_flag(tmp_path):
     here = pathlib.Path(__file__).parent
     probe = here / f"_probe_extras_{os.getpid()}.py"  # under tests/: conftest.py applies
     probe.write_text(
+        "from dtl import extras\n"
         "from dtl.testing import needs_extras\n\n"
+        "extras.EXTRA_MODULES['no_such_extra_dtl'] = 'no_such_module_dtl'\n"
         "pytestmark = needs_extras('no_such_extra_dtl')\n\n\n"
         "def test_needs_it():\n    pass\n"
     )
@@ -258,3 +260,24 @@ def test_a_missing_extra_skips_but_fails_under_make_tests_flag(tmp_path):
     assert "DTL_REQUIRE_EXTRAS=1 (make test): Skipped: missing extra: no_such_extra_dtl" in (
         runs["1"].stdout
     )
+
+
+def test_an_absent_extra_stops_a_script_in_one_line_and_skips_its_launch_line(monkeypatch):
+    from dtl import config as dtl_config
+    from dtl import extras, registry
+
+    monkeypatch.setitem(extras.EXTRA_MODULES, "absent_dtl", "no_such_module_dtl")
+    with pytest.raises(dtl_config.ConfigError) as err:
+        extras.require("part=ratio", "absent_dtl")
+    assert str(err.value) == (
+        "part=ratio needs absent_dtl, which is not installed: pip install -e '.[absent_dtl]'"
+    )
+    extras.require("plain", *[])  # nothing needed: no stop
+    with pytest.raises(ValueError, match="unknown extra"):
+        extras.missing(["deepspeeed"])  # a typo is refused, not read as "absent"
+    lesson = registry.load()[0]
+    run = registry.Run("probe", "torchrun -m day15_collectives.nope", "", [], extras=["absent_dtl"])
+    result = registry.execute(lesson, run)  # never started: the module does not exist
+    assert result.status == "SKIP" and result.skip_reason.startswith(extras.MISSING_EXTRA)
+    with pytest.raises(ValueError, match="unknown extras"):
+        registry.Run("probe", "x", "", [], extras=["deepspeeed"])

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from dtl import config as dtl_config
-from dtl import course_map, exercise_regions, registry, tour
+from dtl import course_map, exercise_regions, extras, registry, tour
 from dtl.script_server import run_script
 
 LESSONS = registry.load()
@@ -179,16 +179,17 @@ def test_a_launch_line_that_times_out_leaves_no_workers_behind(prewarmed):
     assert alive.returncode == 1, f"orphaned workers: {alive.stdout}"
 
 
-def _config_uses() -> list[tuple[str, str, list[str], int]]:
-    """(config file, module, the line's arguments, world size) for every line that passes a
-    `--config`: the registry's CPU and GPU lines and each config file's own `# Use:` line."""
-    lines = [(r.cpu, 2) for x in LESSONS for r in x.runs]
-    lines += [(r.gpu, max(8, r.min_gpus)) for x in LESSONS for r in x.runs]
+def _config_uses() -> list[tuple[str, str, list[str], int, list[str]]]:
+    """(config file, module, the line's arguments, world size, the extras it needs) for every
+    line that passes a `--config`: the registry's CPU and GPU lines and each config file's own
+    `# Use:` line."""
+    lines = [(r.cpu, 2, r.extras) for x in LESSONS for r in x.runs]
+    lines += [(r.gpu, max(8, r.min_gpus), r.extras) for x in LESSONS for r in x.runs]
     for path in sorted(glob.glob(os.path.join(registry.REPO_ROOT, "day*", "*.toml"))):
         with open(path) as f:
-            lines += [(line[len("# Use:") :], 2) for line in f if line.startswith("# Use:")]
+            lines += [(line[len("# Use:") :], 2, []) for line in f if line.startswith("# Use:")]
     uses = []
-    for line, gpus in lines:
+    for line, gpus, needs in lines:
         words = shlex.split(line)
         if "--config" not in words:
             continue
@@ -198,9 +199,8 @@ def _config_uses() -> list[tuple[str, str, list[str], int]]:
             module = next(a.split("=")[1] for a in args if a.startswith("--target="))
         args = args[args.index("--") + 1 :] if "--" in args else args
         procs = next(w.split("=")[1] for w in words if w.startswith("--nproc_per_node="))
-        uses.append(
-            (args[args.index("--config") + 1], module, args, gpus if procs == "gpu" else int(procs))
-        )
+        world = gpus if procs == "gpu" else int(procs)
+        uses.append((args[args.index("--config") + 1], module, args, world, needs))
     return uses
 
 
@@ -213,7 +213,13 @@ def test_every_shipped_config_file_loads_into_the_script_that_names_it(tmp_path,
     }
     assert shipped <= {path for path, *_ in uses}, "a config file no line or `# Use:` names"
     monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the gpu.toml files are sized for
-    for _path, module, args, world in uses:
+    absent: set[str] = set()
+    for _path, module, args, world, needs in uses:
+        if extras.missing(needs):
+            absent.update(extras.missing(needs))
+            continue
         monkeypatch.setenv("WORLD_SIZE", str(world))
         config = importlib.import_module(module).Config
         dtl_config.load(config, [*args, f"--out_dir={tmp_path}"])  # a bad key stops it here
+    if absent:  # the others loaded; these could not be asked
+        pytest.skip(extras.skip_reason(sorted(absent)))

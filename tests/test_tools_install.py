@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dtl.testing import needs_extras
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
@@ -16,6 +18,7 @@ def _wheelhouse():
     return module
 
 
+@needs_extras("deepspeed", "megatron")  # the set is read from what is installed
 def test_the_set_is_every_need_but_torch_and_its_cuda_runtime():
     wh = _wheelhouse()
     need = wh.requirement_set()
@@ -26,6 +29,7 @@ def test_the_set_is_every_need_but_torch_and_its_cuda_runtime():
     assert "pytest" in need and "pytest" not in run_only and "deepspeed" in run_only
 
 
+@needs_extras("deepspeed", "megatron")  # the set is read from what is installed
 def test_the_target_keeps_its_own_copy_only_at_a_version_the_course_accepts(tmp_path):
     wh = _wheelhouse()
     need = wh.requirement_set()
