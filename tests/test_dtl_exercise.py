@@ -149,6 +149,19 @@ def test_a_grader_that_fails_for_another_reason_proves_nothing(course):
     assert result.outcome == "error" and not proof.honest_failure(result, ex)
 
 
+def test_the_proof_fails_when_a_grader_stops_failing_on_its_stub(course, capsys):
+    assert proof.main(["--only", "day99.add"]) == 0
+    assert "(mutation score 100%)" in capsys.readouterr().out
+    (course / "tests" / "test_toy.py").write_text(  # the planted bug: its assertion removed
+        "from day99_toy.lesson import add\n\n\ndef test_add():\n    pass\n"
+    )
+    assert proof.main(["--only", "day99.add"]) == 1
+    out = capsys.readouterr().out
+    assert "stub NOT caught by tests/test_toy.py::test_add: pass" in out
+    assert "(mutation score 0%)" in out
+    assert "def add(a, b)" in _lesson(course) and "return a + b" in _lesson(course)  # put back
+
+
 def test_the_seam_takes_a_readers_module(course, monkeypatch):
     (course / "mine.py").write_text("def add(a, b):\n    return 40 + 2\n")
     monkeypatch.setenv(exercise_seam.IMPL_ENV, "day99.add=mine")
