@@ -101,6 +101,8 @@ class Config:
             )
         if self.seq_len > preset(self.model).block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
+        if self.ds_config and self.impl != "deepspeed":
+            raise err(f"--ds_config is read by impl=deepspeed only; this run is impl={self.impl}")
         if self.impl == "deepspeed":
             self.ds = self._load_ds_config()
 

@@ -44,6 +44,7 @@ from dtl.optim import warmup_cosine
 PARALLEL = ("ddp", "fsdp2", "tp")
 TP = 2  # --parallel=tp: the tensor-parallel size; dp = world / TP
 RESUME = ("auto", "none", "latest")
+FAIL_RANK = 1  # the rank a drill kills unless --fail_rank names another
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Config:
     hold_s: float = 60.0  # ... at most this long (the agent restarts us when one joins)
     fail_at_step: int = -1  # drill: SIGKILL rank fail_rank before this step (first attempt)
     fail_during_save: int = -1  # drill: SIGKILL rank fail_rank while writing this step's save
-    fail_rank: int = 1  # drill: the rank that dies
+    fail_rank: int = FAIL_RANK  # drill: the rank that dies
     out_dir: str = ""  # empty: outputs/day24_checkpoint/<parallel>
 
     def validate(self) -> None:
@@ -82,6 +83,7 @@ class Config:
             raise err(f"parallel=tp runs tp {TP} x dp world/{TP}: {world} ranks do not split")
         if self.keep < 1:
             raise err(f"keep must be >= 1 (checkpoints kept), got {self.keep}")
+        self._check_drill(world)
         self.out_dir = self.out_dir or f"outputs/day24_checkpoint/{self.parallel}"
         self.ckpt_dir = self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
         dtl_config.ensure_writable_dir(self.ckpt_dir, "ckpt_dir")
@@ -93,6 +95,14 @@ class Config:
                 verify(path, asdict(self.model_config()))
         except CheckpointError as e:
             raise err(str(e)) from None
+
+    def _check_drill(self, world: int) -> None:
+        """A drill's rank, or a --fail_rank given, must be one of this run's ranks."""
+        drill = self.fail_at_step >= 0 or self.fail_during_save >= 0
+        if (drill or self.fail_rank != FAIL_RANK) and not 0 <= self.fail_rank < world:
+            raise dtl_config.ConfigError(
+                f"fail_rank {self.fail_rank} is not a rank of this run (ranks 0-{world - 1})"
+            )
 
     def model_config(self):
         return preset(self.model, dropout=self.dropout)

@@ -53,7 +53,14 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl import extras
 from dtl import profile as dtl_profile
-from dtl.data import get_tokenizer, load_corpus, split_micro_batches, tokenizer_for
+from dtl.data import (
+    DataError,
+    check_source,
+    get_tokenizer,
+    load_corpus,
+    split_micro_batches,
+    tokenizer_for,
+)
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
@@ -130,8 +137,10 @@ class Config:
         err = dtl_config.ConfigError
         if self.min_lr > self.lr:
             raise err(f"min_lr {self.min_lr:g} exceeds lr {self.lr:g}: the cosine decays to it")
-        if self.data.endswith(".txt") and not os.path.isfile(self.data):
-            raise err(f"data file not found: {self.data}")
+        try:  # the text exists (file, folder or a dataset the hub knows): asked, not read
+            check_source(self.data)
+        except DataError as e:
+            raise err(str(e)) from None
         if not APPLIES[self.precision]:
             raise err(f"--precision={self.precision} is applied by no strategy here (its loss "
                       "scaler is not wired); use bf16")  # fmt: skip

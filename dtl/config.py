@@ -205,7 +205,7 @@ COUNT_NAMES = {
     "log_every", "micro_batches", "microbatches", "micro_batch_size", "global_batch_size",
     "global_batch", "tp", "pp", "cp", "chunks", "heads", "head_dim", "n_head", "n_embd", "saves",
     "nproc", "keep", "train_iters", "seq_length", "eval_batches", "gpus_per_node", "world",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
 }  # fmt: skip
 NON_NEGATIVE_NAMES = {
     "workers", "warmup", "save_every", "eval_every", "sample_tokens", "save_at", "stop_at",

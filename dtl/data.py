@@ -143,6 +143,30 @@ def load_text(source: str = "shakespeare", split: str = "train", text_field: str
     return _load_hf_text(source, split, text_field)
 
 
+def check_source(source: str) -> None:
+    """DataError in one line when `source` cannot be read: a missing file or path, or a dataset
+    name the hub (or, offline, its cache) does not know. Reads no text: a script asks this in its
+    validate(), before any process group."""
+    if source == "shakespeare":
+        return
+    if source.endswith(".txt"):
+        if not os.path.isfile(source):
+            raise DataError(f"text file not found: {source}")
+        return
+    source = os.path.expanduser(source)
+    if source.startswith((".", "/")) or os.path.exists(source):
+        if not os.path.exists(source):
+            raise DataError(f"dataset path not found: {source}")
+        return
+    import datasets
+
+    try:
+        datasets.load_dataset_builder(source)
+    except Exception as e:  # noqa: BLE001 - the hub's long errors, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"could not find dataset '{source}': {first}") from None
+
+
 def _load_hf_text(source: str, split: str, text_field: str) -> str:
     import datasets
 

@@ -17,6 +17,7 @@ CASES = {
         (["--grad_accum=0"], "'grad_accum' must be an integer >= 1"),
         (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
         (["--impl=deepspeed", f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
+        ([f"--ds_config={NOT_FOUND}"], "--ds_config is read by impl=deepspeed only; this run is"),
     ],
     "day18_zero.bench": [
         (["--pairs=zero5"], "unknown pair(s) ['zero5']"),
@@ -111,6 +112,7 @@ CASES = {
         (["--cp=0"], "'cp' must be an integer >= 1"),
         (["--chunks=2"], "--chunks=2 needs --pp >= 2"),
         (["--attn=x"], "unknown attention 'x'"),
+        (["--make_vocab_size_divisible_by=0"], "'make_vocab_size_divisible_by' must be an integer"),
     ],
     "day22_megatron.train_megatron": [
         (["--precision=bf16"], "--precision=bf16 is for GPUs here"),
@@ -148,6 +150,8 @@ CASES = {
         (["--keep=0"], "'keep' must be an integer >= 1"),
         (["--resume=maybe"], "resume 'maybe' is neither auto, none, latest nor a folder"),
         (["--global_batch=7"], "global_batch 7 does not split over 4 ranks"),
+        (["--fail_rank=5"], "fail_rank 5 is not a rank of this run (ranks 0-3)"),
+        (["--fail_at_step=2", "--fail_rank=-1"], "fail_rank -1 is not a rank of this run"),
     ],
     "day24_checkpoint.drill": [
         (["--drill=x"], "unknown drill 'x'"),
@@ -180,7 +184,8 @@ CASES = {
         (["--bogus=1"], "unknown config key 'bogus'"),
     ],
     "day28_gpt125m.train": [
-        (["--data=/nonexistent.txt"], "data file not found: /nonexistent.txt"),  # once rank 0's
+        (["--data=/nonexistent.txt"], "text file not found: /nonexistent.txt"),  # once rank 0's
+        (["--data=no_such_dataset_here"], "could not find dataset 'no_such_dataset_here'"),
         (["--workers=-1"], "'workers' must be an integer >= 0"),
         (["--clip=-1"], "'clip' must be a finite number >= 0"),  # once trained
         (["--lr=0.1", "--min_lr=1"], "min_lr 1 exceeds lr 0.1"),  # once trained, then failed
