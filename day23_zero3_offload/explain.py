@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"device x {cfg.world} and {cfg.cpu_budget_gb:.0f} GB of CPU with "
                 f"{os.path.basename(path)}: {what}"
             )
-    from day22_megatron.plan import MODELS as PLAN_MODELS  # the 6.6B GPT of day 22's plan
+    from day22_megatron.planner import MODELS as PLAN_MODELS  # the 6.6B GPT of day 22's plan
 
     models = {"gpt2-124m": PRESETS["gpt2-124m"], "gpt-6.6b": PLAN_MODELS["gpt-6.6b"]}
     steps = {

@@ -32,7 +32,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from day22_megatron import formulas, plan
+from day22_megatron import formulas, planner
 from day22_megatron.step_model import GB, ClusterConfig
 from day28_gpt125m import fit
 from dtl import config as dtl_config
@@ -45,7 +45,7 @@ MODELS = {
     "gpt3-125m": PRESETS["gpt3-125m"],
     # GPT-3 XL (Brown et al. 2020, Table 2.1): 24 layers, 2048 wide, 16 heads of 128, s 2048
     "gpt3-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50257),
-    "gpt-6.6b": plan.MODELS["gpt-6.6b"],
+    "gpt-6.6b": planner.MODELS["gpt-6.6b"],
 }
 # tokens per step and micro-batch, as the papers trained them: GPT-3 0.5M and 1M, Llama 2 4M
 BATCH = {"gpt3-125m": (524_288, 8), "gpt3-1.3b": (1_048_576, 4), "gpt-6.6b": (4_194_304, 1)}
@@ -113,12 +113,12 @@ def zero3_row(name: str, gpus: int, cfg: Config) -> dict:
 
 def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
     tokens, b = BATCH[name]
-    rows, _ = plan.plan(MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
+    rows, _ = planner.plan(MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
                         memory_gb=cfg.usable_gb, step=cfg.step_model())  # fmt: skip
     mp = [r for r in rows if not r["layout"].startswith("tp1-pp1")]  # model parallel layouts
     fits = [r for r in mp if r["memory_gb"] <= cfg.usable_gb]
     pick = min(fits, key=lambda r: r["step_s"]) if fits else min(mp, key=lambda r: r["memory_gb"])
-    layout = {x.name(): x for x in plan.layouts_of(MODELS[name], gpus, cfg.gpus_per_node)}
+    layout = {x.name(): x for x in planner.layouts_of(MODELS[name], gpus, cfg.gpus_per_node)}
     return dict(
         strategy="tp_pp", layout=pick["layout"], m=pick["m"], memory_gb=pick["memory_gb"],
         comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"],

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from day18_zero import engines
-from day22_megatron import scale as stack_scale
+from day22_megatron import at_scale as stack_scale
 from day22_megatron.step_model import GB
 from day28_gpt125m import compare, fit
 from dtl import config as dtl_config

@@ -445,20 +445,20 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
 
 
 def test_plan_picks_data_parallel_for_gpt2_and_model_parallel_only_when_memory_forces_it():
-    from day22_megatron import plan
+    from day22_megatron import planner
     from day22_megatron.step_model import StepModel
 
-    gpt2, big = plan.MODELS["gpt2-124m"], plan.MODELS["gpt-6.6b"]
+    gpt2, big = planner.MODELS["gpt2-124m"], planner.MODELS["gpt-6.6b"]
     kw = dict(per_node=8, step=StepModel(mfu=0.4))
     for gpus in (8, 64):
-        rows, best = plan.plan(gpt2, gpus, tokens=524_288, b=16, memory_gb=80, **kw)
+        rows, best = planner.plan(gpt2, gpus, tokens=524_288, b=16, memory_gb=80, **kw)
         assert best["layout"] == f"tp1-pp1-dp{gpus}"
         assert all(r["layout"].startswith(("tp1", "tp2", "tp4")) for r in rows)  # 12 heads
-    rows, best = plan.plan(big, 8, tokens=4_194_304, b=1, memory_gb=80, **kw)
+    rows, best = planner.plan(big, 8, tokens=4_194_304, b=1, memory_gb=80, **kw)
     assert best["layout"] == "tp1-pp1-dp8" and best["memory_gb"] <= 80
-    rows, best = plan.plan(big, 8, tokens=4_194_304, b=1, memory_gb=20, **kw)
+    rows, best = planner.plan(big, 8, tokens=4_194_304, b=1, memory_gb=20, **kw)
     assert best["memory_gb"] <= 20 and best["layout"] != "tp1-pp1-dp8"
     assert min(r["memory_gb"] for r in rows) < 20 < max(r["memory_gb"] for r in rows)
     # TP never crosses a node: on 64 GPUs its 32 heads would allow t = 16 or 32, yet t <= 8
-    rows, _ = plan.plan(big, 64, tokens=4_194_304, b=1, memory_gb=80, **kw)
+    rows, _ = planner.plan(big, 64, tokens=4_194_304, b=1, memory_gb=80, **kw)
     assert max(int(r["layout"].split("-")[0][2:]) for r in rows) <= 8

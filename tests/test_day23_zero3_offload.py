@@ -395,7 +395,7 @@ def test_size_formula_equals_the_built_model_and_the_fit_grows_with_offload():
 def test_the_link_table_steps_the_templates_batch_and_is_what_the_notes_quote():
     """The link table's step is each template's own (micro-batch x accumulation x s tokens),
     its attention FLOPs counted at that s, and its rows are the ones the README quotes."""
-    from day22_megatron.plan import MODELS
+    from day22_megatron.planner import MODELS
     from dtl.model import PRESETS, flops_per_token
 
     for t in checks.TEMPLATES:

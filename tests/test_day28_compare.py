@@ -8,7 +8,7 @@ import re
 import pytest
 
 from day18_zero import formulas as zero_formulas
-from day22_megatron import plan
+from day22_megatron import planner
 from day22_megatron.step_model import GB, StepModel
 from day28_gpt125m import compare
 from dtl import registry
@@ -52,7 +52,9 @@ def test_the_usable_memory_fraction_decides_what_fits_in_both_scripts():
     # day 22: DP 8 needs 68.7 GB of an 80 GB GPU, so 90% of it fits DP 8, 85% does not
     picks = {}
     for fraction in (0.9, 0.85):
-        _, rows, best = plan.plan_for(plan.Config(usable_memory_fraction=fraction), "gpt-6.6b", 8)
+        _, rows, best = planner.plan_for(
+            planner.PlanConfig(usable_memory_fraction=fraction), "gpt-6.6b", 8
+        )
         assert best["memory_gb"] <= 80 * fraction
         picks[fraction] = best["layout"]
     assert picks == {0.9: "tp1-pp1-dp8", 0.85: "tp1-pp2-dp4"}
@@ -70,10 +72,10 @@ def test_each_step_model_input_moves_the_step_time():
     faster = compare.zero3_row("gpt-6.6b", 8, compare.Config(mfu=0.5))
     assert faster["step_s"] == pytest.approx(inside["step_s"] * 0.4 / 0.5)
     # day 22's DP traffic obeys the same overlap: exposed in full when nothing overlaps
-    lay = plan.layouts_of(plan.MODELS["gpt-6.6b"], 64, 8)[0]  # tp1-pp1-dp64
+    lay = planner.layouts_of(planner.MODELS["gpt-6.6b"], 64, 8)[0]  # tp1-pp1-dp64
     kw = dict(tokens=4_194_304, b=1, per_node=8)
-    hidden = plan.evaluate(plan.MODELS["gpt-6.6b"], lay, step=StepModel(), **kw)
-    exposed = plan.evaluate(plan.MODELS["gpt-6.6b"], lay, step=StepModel(overlap=0), **kw)
+    hidden = planner.evaluate(planner.MODELS["gpt-6.6b"], lay, step=StepModel(), **kw)
+    exposed = planner.evaluate(planner.MODELS["gpt-6.6b"], lay, step=StepModel(overlap=0), **kw)
     assert hidden["step_s"] == pytest.approx(hidden["compute_s"])
     assert exposed["step_s"] == pytest.approx(hidden["compute_s"] + hidden["dp_s"])
 

@@ -9,8 +9,8 @@ import torch
 
 from day18_zero import engines, scale
 from day18_zero import formulas as zero_formulas
-from day22_megatron import plan
-from day22_megatron import scale as stack_scale
+from day22_megatron import planner
+from day22_megatron import at_scale as stack_scale
 from day22_megatron.layouts import Layout
 from dtl.model import GPT, num_params, preset
 from dtl.optim import OptimConfig
@@ -100,7 +100,7 @@ def test_simulated_picks_of_plan_py_hold_its_formulas_at_8_and_64_gpus():
     s b h x 2 B, plus what plan leaves out, to the byte: the embedding's all-reduce in forward
     on the first stage, the tied head's in backward on the last (2(t-1)/t s b h x 2 B each),
     and on the last the vocab-parallel loss's three all-reduces of s b fp32 numbers."""
-    cfg = plan.MODELS["gpt2-124m"]
+    cfg = planner.MODELS["gpt2-124m"]
     rows = []
     for gpus in (8, 64):
         for which, lay, best in stack_scale.picks("gpt2-124m", gpus):

@@ -1,7 +1,7 @@
 """The course's shape, checked: no source file over MAX_LINES, and the import rules over the
 import graph of every source file (lazy imports inside functions included): the kit never imports
-a day, a day imports only *library* modules of other days (never their scripts: train*.py,
-bench*.py, sweep*.py), and no import circle exists."""
+a day, a day imports only *library* modules of other days (never their scripts: a module that
+runs as `__main__`), and no import circle exists."""
 
 import ast
 import os
@@ -10,7 +10,6 @@ import pytest
 
 from dtl.registry import REPO_ROOT
 
-SCRIPT_PREFIXES = ("train", "bench", "sweep")  # what torchrun runs; other days may not import it
 MAX_LINES = 450  # a file a reader holds in mind at once; past it, a file does more than one job
 
 
@@ -53,7 +52,10 @@ def _day(mod: str) -> str:
 
 
 def _is_script(mod: str) -> bool:
-    return mod.split(".")[1].startswith(SCRIPT_PREFIXES)
+    """What torchrun or python runs (it ends in `if __name__ == "__main__":`), whatever its
+    name: other days may not import it."""
+    with open(MODULES[mod]) as f:
+        return '\nif __name__ == "__main__":' in f.read()
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
