@@ -9,8 +9,8 @@ import torch
 
 from day18_zero import engines, scale
 from day18_zero import formulas as zero_formulas
-from day22_megatron import planner
 from day22_megatron import at_scale as stack_scale
+from day22_megatron import planner
 from day22_megatron.layouts import Layout
 from dtl.model import GPT, num_params, preset
 from dtl.optim import OptimConfig
