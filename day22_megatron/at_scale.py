@@ -143,5 +143,3 @@ def gap(r: dict, key: str) -> float:
 
 
 KEYS = ("params", "tp", "pp", "dp", "state")
-
-
