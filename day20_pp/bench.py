@@ -167,8 +167,8 @@ def run_small(cfg: Config, info) -> list[dict]:
     ]
     out = []
     for name, v in RUNS:
-        stages = [s.to(info.device) for s in build_stages(mcfg, grid, v)]
         plan = schedules.make(name, 2, cfg.microbatches, v)
+        stages = [s.to(info.device) for s in build_stages(mcfg, grid, plan.placement)]
         runner = PipelineRunner(
             stages, grid, mcfg, (rows_in, cfg.seq_len), placement=plan.placement
         )

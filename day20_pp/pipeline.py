@@ -1,12 +1,15 @@
 """Day 20: one pipeline runtime that executes any schedule's action list on real GPT stages.
 
-    stages = build_stages(cfg, grid, v)                 # this rank's v model chunks
-    runner = PipelineRunner(stages, grid, cfg, micro_batch_shape)
-    loss, record = runner.step(schedule[grid.pp_rank], micro_batches)  # grads in the stages
+    plan = schedules.make("1f1b", p, m)                 # the action lists and their placement
+    stages = build_stages(cfg, grid, plan.placement)    # this rank's stages, cut by it
+    runner = PipelineRunner(stages, grid, cfg, micro_batch_shape, placement=plan.placement)
+    loss, record = runner.step(plan[grid.pp_rank], micro_batches)  # grads in the stages
 
 Stage s of S = p·v holds blocks [s·L/S, (s+1)·L/S) of the shared GPT (dtl.model: a stage is the
-GPT with the other blocks deleted and wte/wpe or ln_f/lm_head set to None); stage s lives on
-rank s % p as its chunk s // p. Stage 0 embeds the tokens, stage S-1 computes the loss.
+GPT with the other blocks deleted and wte/wpe or ln_f/lm_head set to None, `keep_stage`); which
+rank holds it, as which chunk, is the schedule's placement (placement.py): the loop puts stage s
+on rank s % p, a V puts the first and the last stage on rank 0. Stage 0 embeds the tokens,
+stage S-1 computes the loss.
 
 Per action, on this rank:
     F(mb, c)  input: the tokens (stage 0) or recv (B_mb, T, C) from the previous stage's rank;
@@ -21,9 +24,10 @@ valid schedule (checked by schedules.simulate) cannot deadlock on gloo. NCCL add
 queues every p2p operation between two ranks of a group on one stream, in posting order, and a
 large send waits there until the peer's matching receive runs, holding up everything behind it.
 So messages travel on two process groups of the same ranks, one per direction ("lanes":
-toward a higher pipeline rank, toward a lower one, schedules.p2p_lane): each stream carries
-one-way traffic, in the same order on both ends (schedules.message_orders), and
-schedules.play_p2p replays every schedule's posts under those rules. One group per
+toward a higher pipeline rank, toward a lower one, p2p.p2p_lane): each stream carries
+one-way traffic, in the same order on both ends (p2p.message_orders), and p2p.play_p2p
+replays every schedule's posts under those rules. Two stages on one rank (a V's turn) exchange
+their tensor in memory: no post, no process group. One group per
 message kind would not do: interleaved at pp = 2 sends activations both ways between the same two
 ranks, and each rank's receive would sit behind its own send, which waits for that receive on
 the other rank (a hang once messages outgrow NCCL's buffers). NCCL ignores tags; gloo matches by
@@ -31,7 +35,8 @@ tag: (micro-batch, receiving stage, direction). Every buffer's shape comes from 
 handshake. On a GPU each action's span ends when its kernels have run (the host synchronizes),
 so the timeline's spans and idle time are the device's, not the launches'.
 After the last action, the tied embedding's two copies (wte on the first stage, lm_head on the
-last) get their gradients summed over the embedding group, as Megatron does.
+last) get their gradients summed, as Megatron does: over a group of the two ranks holding those
+stages (Placement.tied_ranks), or in place when one rank holds both.
 Named ranges (dtl.profile.range): each action is one (`F3`, `B3`, `I3`, `W3`; `F3.1` on chunk
 1: the schedule's names), and inside it `recv F3` / `send F3` for its messages, so a CPU trace
 and an Nsight Systems report show the schedule by name.
@@ -40,19 +45,21 @@ and an Nsight Systems report show the schedule by name.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from day20_pp.schedules import Action, Placement, p2p_lane
+from day20_pp import schedules
+from day20_pp.in_flight import LiveActivations, StepRecord
+from day20_pp.p2p import p2p_lane
+from day20_pp.placement import Placement
+from day20_pp.schedules import Action
 from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
-from dtl.state import storage_key
 
 
 class PipelineError(ValueError):
@@ -61,18 +68,18 @@ class PipelineError(ValueError):
 
 def check_pipeline(cfg: GPTConfig, p: int, v: int = 1) -> None:
     if v > 1 and p < 2:
-        raise PipelineError(f"{v} model chunks need pp >= 2 (one rank would send to itself)")
+        raise PipelineError(f"{v} model chunks need pp >= 2 (on one rank they are one stage)")
     if cfg.n_layer < p * v:
         raise PipelineError(f"{p * v} stages (pp {p} x chunks {v}) but only {cfg.n_layer} layers")
     if cfg.n_layer % (p * v):
         raise PipelineError(f"n_layer {cfg.n_layer} is not divisible by pp {p} x chunks {v}")
 
 
-def build_stage(cfg: GPTConfig, stage: int, n_stages: int, seed: int) -> GPT:
-    """The GPT with only stage `stage`'s blocks; embeddings on the first, head on the last.
-    Parameters keep their one-process names (blocks.5.mlp.c_fc.weight), values and init."""
-    gpt = GPT(cfg, seed=seed)
-    per = cfg.n_layer // n_stages
+def keep_stage(gpt: GPT, stage: int, n_stages: int) -> GPT:
+    """Cut `gpt` (a fresh model or a copy: it is changed in place) down to stage `stage` of
+    `n_stages`: its blocks only; embeddings on the first, head on the last. Parameters keep their
+    one-process names (blocks.5.mlp.c_fc.weight), values and init."""
+    per = gpt.cfg.n_layer // n_stages
     keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
     for name in [k for k in gpt.blocks if k not in keep]:
         del gpt.blocks[name]
@@ -83,57 +90,17 @@ def build_stage(cfg: GPTConfig, stage: int, n_stages: int, seed: int) -> GPT:
     return gpt
 
 
-def build_stages(cfg: GPTConfig, grid: ParallelGrid, v: int, seed: int = 0) -> list[GPT]:
-    place = Placement(grid.pp_size, v)
-    check_pipeline(cfg, place.p, v)
-    return [build_stage(cfg, place.stage(grid.pp_rank, c), place.n_stages, seed) for c in range(v)]
-
-
-@dataclass
-class StepRecord:
-    """What one step did on this rank: the actions' host times and the in-flight high-water:
-    the most micro-batches whose activations autograd held at once, counted from the tensors
-    alive (LiveActivations), not from the action list."""
-
-    spans: list[tuple[float, float, Action]] = field(default_factory=list)
-    peak_in_flight: int = 0
-
-
-class LiveActivations:
-    """Which (micro-batch, chunk) pairs have activations alive right now. Every tensor autograd
-    saves for backward during a forward passes through `pack` (torch's saved_tensors_hooks) and
-    is wrapped in a _Held tagged with the action running; the wrapper dies when autograd frees
-    its graph (after B, or after W for zero-bubble's kept graph), and its count with it. A
-    runtime that kept a graph longer than its schedule says shows here; parameters are skipped
-    (autograd saves the weights too, and they are alive all the time)."""
-
-    def __init__(self, params):
-        self.params = {storage_key(p) for p in params}
-        self.count: dict[tuple[int, int], int] = {}
-        self.key: tuple[int, int] | None = None  # the action running: (mb, chunk)
-
-    def pack(self, t: torch.Tensor):
-        if self.key is None or storage_key(t) in self.params:
-            return t
-        return _Held(t, self)
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def in_flight(self) -> int:
-        return sum(1 for n in self.count.values() if n > 0)
-
-
-class _Held:
-    __slots__ = ("tensor", "live", "key")
-
-    def __init__(self, tensor: torch.Tensor, live: LiveActivations):
-        self.tensor, self.live, self.key = tensor, live, live.key
-        live.count[self.key] = live.count.get(self.key, 0) + 1
-
-    def __del__(self):
-        self.live.count[self.key] -= 1
+def build_stages(
+    cfg: GPTConfig, grid: ParallelGrid, placement: Placement, seed: int = 0
+) -> list[GPT]:
+    """This rank's stages, chunk by chunk, as the schedule's placement puts them."""
+    if placement.p != grid.pp_size:
+        raise PipelineError(f"a placement over {placement.p} ranks on pp {grid.pp_size}")
+    check_pipeline(cfg, placement.p, placement.v)
+    return [
+        keep_stage(GPT(cfg, seed=seed), placement.stage(grid.pp_rank, c), placement.n_stages)
+        for c in range(placement.v)
+    ]
 
 
 class PipelineRunner:
@@ -144,18 +111,25 @@ class PipelineRunner:
         cfg: GPTConfig,
         micro_shape: tuple[int, int],
         loss=loss_fn,
-        placement: Placement | None = None,
+        *,
+        placement: Placement,
     ):
         self.stages, self.grid, self.cfg, self.loss_fn = stages, grid, cfg, loss
         self.p, self.r, self.v = grid.pp_size, grid.pp_rank, len(stages)
-        # where the stages live: the schedule's placement (the loop over ranks by default)
-        self.placement = placement or Placement(self.p, self.v)
-        self.n_stages = self.placement.n_stages
+        if (placement.p, placement.v) != (self.p, self.v):
+            raise PipelineError(
+                f"placement of {placement.v} stage(s) on {placement.p} ranks; this rank has "
+                f"{self.v} on pp {self.p}"
+            )
+        self.placement = placement  # where the stages live: the schedule's
+        self.n_stages = placement.n_stages
         self.micro_shape = micro_shape  # (B_mb, T) of every micro-batch
         first = next(p for s in stages for p in s.parameters())
         self.device, self.dtype = first.device, first.dtype  # recv buffers: as the stages
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
         self.lane_groups = _lane_groups(grid)  # "up" / "down": one process group per direction
+        self.tied_group = _tied_group(grid, placement) if cfg.tie_weights else None
+        self.handed: dict[int, torch.Tensor] = {}  # tag -> a tensor between two of my stages
         self._name = ""  # the running action's name (F3, B3.1): its messages' ranges say it
 
     # --- where things live --------------------------------------------------------------------
@@ -213,8 +187,13 @@ class PipelineRunner:
 
     def _recv(self, src_stage: int, dst_stage: int, mb: int) -> torch.Tensor:
         """A (B_mb, T, C) tensor from src_stage's rank to this rank's dst_stage: an activation
-        (src = dst - 1) or a gradient (src = dst + 1). Blocks until it has arrived."""
-        buf, backward = self._hidden(), src_stage > dst_stage
+        (src = dst - 1) or a gradient (src = dst + 1). Blocks until it has arrived; from a stage
+        of this rank it is already here (handed over by _send)."""
+        backward = src_stage > dst_stage
+        if self.placement.rank(src_stage) == self.r:
+            self._t_ready = time.perf_counter()
+            return self.handed.pop(self._tag(mb, dst_stage, backward))
+        buf = self._hidden()
         with dtl_profile.range(f"recv {self._name}"):
             dist.irecv(
                 buf,
@@ -226,7 +205,11 @@ class PipelineRunner:
         return buf
 
     def _send(self, t: torch.Tensor, src_stage: int, dst_stage: int, mb: int) -> None:
-        """Post `t` from this rank's src_stage to dst_stage's rank (isend: waited at step end)."""
+        """Post `t` from this rank's src_stage to dst_stage's rank (isend: waited at step end),
+        or hand it over in memory when this rank holds dst_stage too (a V's turn)."""
+        if self.placement.rank(dst_stage) == self.r:
+            self.handed[self._tag(mb, dst_stage, dst_stage < src_stage)] = t.detach().clone()
+            return
         with dtl_profile.range(f"send {self._name}"):
             self.sends.append(
                 dist.isend(
@@ -295,18 +278,24 @@ class PipelineRunner:
 
     def _sum_tied_embedding_grads(self) -> None:
         """wte (first stage) and lm_head (last stage) are one weight in the model: sum their
-        gradients over the embedding group so both copies take the same step."""
-        if self.p == 1 or not self.cfg.tie_weights:
+        gradients so both copies take the same step. The placement says who holds them: one
+        stage holding both (p = 1) has one tensor; two stages of this rank (a V) are summed in
+        place; two ranks all-reduce over their group (self.tied_group)."""
+        if not self.cfg.tie_weights or self.n_stages == 1:
             return
-        first, last = self.stages[0], self.stages[-1]
-        weight = None
-        if self._stage(0) == 0:
-            weight = first.wte.weight
-        elif self._stage(self.v - 1) == self.n_stages - 1:
-            weight = last.lm_head.weight
-        if weight is not None:
+        chunks = {0: "wte", self.n_stages - 1: "lm_head"}  # stage -> the copy it holds
+        mine = [
+            getattr(self.stages[self.placement.chunk(s)], name).weight
+            for s, name in chunks.items()
+            if self.placement.rank(s) == self.r
+        ]
+        if len(mine) == 2:  # both copies on this rank: one sum, no message
+            total = mine[0].grad + mine[1].grad
+            for w in mine:
+                w.grad.copy_(total)
+        elif mine:
             with dtl_profile.range(dtl_profile.comm_name("all_reduce", "tied embedding")):
-                dist.all_reduce(weight.grad, group=self.grid.embedding_group)
+                dist.all_reduce(mine[0].grad, group=self.tied_group)
 
 
 class Pipeline:
@@ -317,17 +306,13 @@ class Pipeline:
         stages,
         grid: ParallelGrid,
         cfg: GPTConfig,
-        schedule: str,
-        microbatches: int,
+        plan: schedules.Schedule,
         micro_shape: tuple[int, int],
         loss=loss_fn,
     ):
-        from day20_pp import schedules
-
         self.stages, self.grid = stages, grid
-        plan = schedules.make(schedule, grid.pp_size, microbatches, len(stages))
         self.actions = plan[grid.pp_rank]  # this rank's list
-        self.runner = PipelineRunner(stages, grid, cfg, micro_shape, loss, plan.placement)
+        self.runner = PipelineRunner(stages, grid, cfg, micro_shape, loss, placement=plan.placement)
 
     def parameters(self):
         return unique_parameters(self.stages)
@@ -355,24 +340,16 @@ def apply_pp(
 
     cfg, p = model.cfg, grid.pp_size
     check_pipeline(cfg, p, chunks)
-    place = Placement(p, chunks)
-    n_stages, per = place.n_stages, cfg.n_layer // place.n_stages
-    stages = []
-    for c in range(chunks):
-        s = place.stage(grid.pp_rank, c)
-        shared = {id(g): g for m in model.modules() for g in [getattr(m, "group", None)] if g}
-        if hasattr(model, "tp"):
-            shared[id(model.tp)] = model.tp  # TPInfo: holds a process group, not tensors
-        stage = copy.deepcopy(model, shared)
-        keep = {str(i) for i in range(s * per, (s + 1) * per)}
-        for name in [k for k in stage.blocks if k not in keep]:
-            del stage.blocks[name]
-        if s > 0:
-            stage.wte = stage.wpe = None
-        if s < n_stages - 1:
-            stage.ln_f = stage.lm_head = None
-        stages.append(stage)
-    return Pipeline(stages, grid, cfg, schedule, microbatches, micro_shape, loss)
+    plan = schedules.make(schedule, p, microbatches, chunks)  # first: it places the stages
+    place = plan.placement
+    shared = {id(g): g for m in model.modules() for g in [getattr(m, "group", None)] if g}
+    if hasattr(model, "tp"):
+        shared[id(model.tp)] = model.tp  # TPInfo: holds a process group, not tensors
+    stages = [
+        keep_stage(copy.deepcopy(model, dict(shared)), place.stage(grid.pp_rank, c), place.n_stages)
+        for c in range(place.v)
+    ]
+    return Pipeline(stages, grid, cfg, plan, micro_shape, loss)
 
 
 def _done(device: torch.device) -> float:
@@ -383,6 +360,23 @@ def _done(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
+
+
+def _tied_group(grid: ParallelGrid, placement: Placement):
+    """The process group of the ranks holding the tied embedding's two copies (the placement's
+    first and last stage), or None where one rank holds both. A new group is collective: every
+    rank creates it for every pipeline, in the same order."""
+    ends = placement.tied_ranks()
+    if len(ends) == 1:
+        return None
+    if ends == (0, grid.pp_size - 1):  # the pipeline's two ends: the group the grid built
+        return grid.embedding_group
+    mine = None
+    for ranks in grid.group_ranks("pp"):
+        group = dist.new_group([ranks[e] for e in ends])
+        if grid.rank in ranks:
+            mine = group
+    return mine
 
 
 def _lane_groups(grid: ParallelGrid) -> dict:

@@ -14,18 +14,18 @@ and which rank holds a stage, is the schedule's Placement (Megatron's loop: stag
 
 Nothing here runs a model: `simulate` plays the lists with per-action costs and the pipeline's
 dependencies, giving the timeline, the idle (bubble) fraction and, if the lists are wrong, the
-deadlock. `play_p2p` plays the sends and receives the runtime posts for them the way NCCL runs
-them (one stream per rank pair and process group, no buffering), so a hang on GPUs shows here.
-The runtime (pipeline.py) executes the same lists on real stages.
+deadlock. p2p.py plays the sends and receives the runtime posts for them the way NCCL runs
+them, so a hang on GPUs shows there; placement.py says which rank holds which stage. The
+runtime (pipeline.py) executes the same lists on real stages.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from day20_pp.placement import Placement, Schedule, placement_of
 from dtl.exercise_seam import exercise
 
 
@@ -36,45 +36,6 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the p·v pipeline stages live. Megatron's interleaving loops over the ranks: chunk c
-    of rank r is stage c·p + r, so rank r holds stages r, r + p, r + 2p, ... Every user of a
-    stage number (the simulator, the p2p plan, the runtime, the stage builder) asks the
-    placement, never the formula: a V-shaped schedule (DualPipe-V: rank r holds stages r and
-    2p - 1 - r) is then one more Placement, not six silent bugs."""
-
-    p: int
-    v: int = 1
-
-    @property
-    def n_stages(self) -> int:
-        return self.p * self.v
-
-    def stage(self, rank: int, chunk: int = 0) -> int:
-        return chunk * self.p + rank
-
-    def rank(self, stage: int) -> int:
-        return stage % self.p
-
-    def chunk(self, stage: int) -> int:
-        return stage // self.p
-
-
-class Schedule(list):
-    """Per rank, the ordered list of actions ([rank][step]), carrying the placement of its
-    stages (a plain list of lists is read as the loop over len(schedule) ranks)."""
-
-    def __init__(self, ranks=(), placement: Placement | None = None):
-        super().__init__(ranks)
-        self.placement = placement or Placement(len(self))
-
-
-def placement_of(schedule, v: int = 1) -> Placement:
-    """The schedule's own placement, or the loop over its ranks with v chunks each."""
-    return getattr(schedule, "placement", None) or Placement(len(schedule), v)
 
 
 class ScheduleError(ValueError):
@@ -89,7 +50,7 @@ def _check(p: int, m: int) -> None:
 def gpipe(p: int, m: int) -> Schedule:
     _check(p, m)
     acts = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
-    return Schedule([list(acts) for _ in range(p)], Placement(p))
+    return Schedule([list(acts) for _ in range(p)], Placement.loop(p))
 
 
 @exercise("day20.one_f_one_b")
@@ -107,7 +68,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
         acts += [Action("B", i) for i in range(m - warmup, m)]
         # exercise day20.one_f_one_b: end
         out.append(acts)
-    return Schedule(out, Placement(p))
+    return Schedule(out, Placement.loop(p))
 
 
 @exercise("day20.interleaved")
@@ -136,7 +97,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
         acts += [Action("B", *unit(k, False)) for k in range(total - warmup, total)]
         out.append(acts)
     # exercise day20.interleaved: end
-    return Schedule(out, Placement(p, v))
+    return Schedule(out, Placement.loop(p, v))
 
 
 def zero_bubble(p: int, m: int) -> Schedule:
@@ -152,7 +113,7 @@ def zero_bubble(p: int, m: int) -> Schedule:
         [Action("I", a.mb) if a.kind == "B" else a for a in acts] for acts in one_f_one_b(p, m)
     ]
     done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> end time
-    out = Schedule([[] for _ in range(p)], Placement(p))
+    out = Schedule([[] for _ in range(p)], Placement.loop(p))
     pos, pending, free, alive = [0] * p, [[] for _ in range(p)], [0] * p, [0] * p
     t = 0
     while any(pos[r] < len(order[r]) or pending[r] for r in range(p)):
@@ -188,12 +149,14 @@ def _zb_ready(a: Action, r: int, p: int, t: int, done) -> bool:
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    """A schedule the course knows: its builder, its textbook bubble, whether it takes v model
-    chunks per rank. A new schedule is one entry here (and its builder); the tests run each."""
+    """A schedule the course knows: its builder, its textbook bubble, whether its builder takes
+    v (the chunks per rank it interleaves). How many chunks a rank holds, and which stages they
+    are, is the built schedule's placement, not this entry. A new schedule is one entry here (and
+    its builder); the tests run each."""
 
-    build: Callable[..., Schedule]  # (p, m), or (p, m, v) when chunks
+    build: Callable[..., Schedule]  # (p, m), or (p, m, v) when takes_v
     bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle fraction
-    chunks: bool = False
+    takes_v: bool = False
 
 
 # The textbook idle fractions: (p-1)/(m+p-1) for GPipe and 1F1B ((p-1)(tF+tB) idle per rank over
@@ -210,14 +173,14 @@ SCHEDULES = {
 def every_schedule(chunks: int = 2) -> list[tuple[str, int]]:
     """(name, v) for every schedule: `chunks` model chunks per rank where it takes them. What the
     bench compares and the tests run: a new entry in SCHEDULES is benched and tested with it."""
-    return [(name, chunks if kind.chunks else 1) for name, kind in SCHEDULES.items()]
+    return [(name, chunks if kind.takes_v else 1) for name, kind in SCHEDULES.items()]
 
 
 def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
     kind = SCHEDULES[name]
-    if kind.chunks:
+    if kind.takes_v:
         return kind.build(p, m, v)
     if v != 1:
         raise ScheduleError(f"--chunks {v} is for the interleaved schedule only")
@@ -324,127 +287,3 @@ def ascii_timeline(tl: Timeline, unit: float = 1.0) -> str:
                 cells[c] = label
         rows.append(f"rank {r} |" + "".join(cells) + "|")
     return "\n".join(rows)
-
-
-def p2p_posts(schedule: Schedule, v: int = 1) -> list[list[tuple[str, int, tuple]]]:
-    """Per rank, its point-to-point operations in the order the runtime (pipeline.py) posts
-    them: ("recv", source rank, message) before an action's compute, ("send", destination rank,
-    message) after it. A message is (kind, receiving stage, micro-batch), kind "act" or "grad"."""
-    place = placement_of(schedule, v)
-    n_stages, rank = place.n_stages, place.rank
-    out = []
-    for r, acts in enumerate(schedule):
-        posts = []
-        for a in acts:
-            stage = place.stage(r, a.chunk)
-            if a.kind == "F":  # the activation from the previous stage, then to the next
-                if stage > 0:
-                    posts.append(("recv", rank(stage - 1), ("act", stage, a.mb)))
-                if stage < n_stages - 1:
-                    posts.append(("send", rank(stage + 1), ("act", stage + 1, a.mb)))
-            elif a.kind in ("B", "I"):  # dL/d(output) from the next stage, dL/d(input) back
-                if stage < n_stages - 1:
-                    posts.append(("recv", rank(stage + 1), ("grad", stage, a.mb)))
-                if stage > 0:
-                    posts.append(("send", rank(stage - 1), ("grad", stage - 1, a.mb)))
-        out.append(posts)
-    return out
-
-
-def message_orders(schedule: Schedule, v: int = 1) -> dict[tuple[int, int], tuple[list, list]]:
-    """For every (sender, receiver) rank pair: the messages in the order the sender posts them
-    and in the order the receiver waits for them. NCCL ignores p2p tags and matches messages
-    between two ranks by order alone, so the two lists must be equal (gloo matches by tag)."""
-    out: dict[tuple[int, int], tuple[list, list]] = {}
-    for r, posts in enumerate(p2p_posts(schedule, v)):
-        for op, peer, msg in posts:
-            pair, side = ((r, peer), 0) if op == "send" else ((peer, r), 1)
-            out.setdefault(pair, ([], []))[side].append(msg)
-    return out
-
-
-# --- the same lists as NCCL runs them: one stream per rank pair and process group ----------------
-
-
-def p2p_lane(src: int, dst: int) -> str:
-    """The process group ("lane") a message from pipeline rank `src` to `dst` travels on: "up"
-    toward a higher rank, "down" toward a lower one. NCCL runs every p2p operation between two
-    ranks of one group on one stream, in posting order; with one lane per direction each stream
-    carries one-way traffic, whose order message_orders checks. (Lanes by message kind would
-    not do: interleaved at pp = 2 sends activations both ways between the same two ranks.)"""
-    return "up" if src < dst else "down"
-
-
-def play_p2p(schedule: Schedule, v: int = 1, lane=None, per_group: bool = False) -> None:
-    """Post every rank's sends and receives as the runtime does and run them as NCCL does;
-    raise Deadlock if they hang or would hand a receive the wrong message.
-
-    The runtime posts a send and goes on (isend), and blocks on each receive. NCCL queues the
-    operations of a (group, rank pair) on one stream per rank, in posting order, and moves a
-    large message only while its send heads the sender's stream and its receive heads the
-    receiver's: a send waits for its receive, and everything behind it waits too. `lane(src,
-    dst, message)` names the group a message travels on; default: the runtime's p2p_lane.
-    per_group=True: one stream per (rank, group) for every peer, the stricter order of a torch
-    that runs p2p on the group's own communicator (eager init)."""
-    lane = lane or (lambda src, dst, msg: p2p_lane(src, dst))
-    posts = p2p_posts(schedule, v)
-    pos, waiting = [0] * len(posts), [None] * len(posts)
-    streams: dict[tuple, deque] = {}  # (rank, lane[, peer]) -> [op, peer, message, done]
-
-    def stream(rank: int, ln: str, peer: int) -> tuple:
-        return (rank, ln) if per_group else (rank, ln, peer)
-
-    while True:
-        moved = _post(posts, pos, waiting, streams, lane, stream)
-        moved = _match_heads(streams, stream) or moved
-        if all(pos[r] == len(ops) for r, ops in enumerate(posts)):
-            if not any(streams.values()):
-                return
-        if not moved:
-            blocked = {r: ops[pos[r]] for r, ops in enumerate(posts) if pos[r] < len(ops)}
-            heads = {k: q[0][:3] for k, q in streams.items() if q}
-            raise Deadlock(f"p2p: no rank can proceed; next posts {blocked}; stream heads {heads}")
-
-
-def _post(posts, pos, waiting, streams, lane, stream) -> bool:
-    """Each rank posts until it blocks in a receive that has not completed."""
-    moved = False
-    for r, ops in enumerate(posts):
-        while pos[r] < len(ops):
-            if waiting[r] is not None:  # inside a receive: wait for it
-                if not waiting[r][3]:
-                    break
-                waiting[r], pos[r], moved = None, pos[r] + 1, True
-                continue
-            op, peer, msg = ops[pos[r]]
-            src, dst = (r, peer) if op == "send" else (peer, r)
-            ln = lane(src, dst, msg)
-            entry = [op, peer, msg, False]
-            streams.setdefault(stream(r, ln, peer), deque()).append(entry)
-            moved = True
-            if op == "recv":
-                waiting[r] = entry
-            else:
-                pos[r] += 1
-    return moved
-
-
-def _match_heads(streams, stream) -> bool:
-    """A send at the head of its stream meets the receive at the head of its peer's."""
-    moved = False
-    for key, queue in streams.items():
-        if not queue or queue[0][0] != "send":
-            continue
-        (r, ln), (_, peer, msg, _) = key[:2], queue[0]
-        other = streams.get(stream(peer, ln, r))
-        if not other or other[0][0] != "recv" or other[0][1] != r:
-            continue
-        if other[0][2] != msg:
-            raise Deadlock(
-                f"p2p: rank {r} sends {msg} to rank {peer} on lane {ln}, whose receive there "
-                f"waits for {other[0][2]}: NCCL would hand it the wrong tensor"
-            )
-        queue.popleft()
-        other.popleft()[3] = True
-        moved = True
-    return moved

@@ -91,11 +91,14 @@ def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = preset(cfg.model)
     corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
-    stages = [s.to(info.device) for s in build_stages(mcfg, grid, cfg.chunks, cfg.seed)]
+    # the schedule first: its placement says which stages this rank holds and who holds the ends
+    actions = schedules.make(cfg.schedule, grid.pp_size, cfg.microbatches, cfg.chunks)
+    place = actions.placement
+    stages = [s.to(info.device) for s in build_stages(mcfg, grid, place, cfg.seed)]
     params = unique_parameters(stages)
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    runner = PipelineRunner(stages, grid, mcfg, (cfg.micro_batch_size, cfg.seq_len))
-    actions = schedules.make(cfg.schedule, grid.pp_size, cfg.microbatches, cfg.chunks)
+    shape = (cfg.micro_batch_size, cfg.seq_len)
+    runner = PipelineRunner(stages, grid, mcfg, shape, placement=place)
     log = StepLogger(
         cfg.out_dir,
         cfg.steps,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from day20_pp import schedules
+from day20_pp import p2p, schedules
 from day20_pp.pipeline import (
     PipelineError,
     PipelineRunner,
@@ -19,6 +19,7 @@ from day20_pp.pipeline import (
     check_pipeline,
     stage_parameters,
 )
+from day20_pp.placement import Placement
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
@@ -47,7 +48,7 @@ def _check_lists(name, v):
     sent (what NCCL, which ignores tags, relies on). Returns each (p, m)'s peaks in flight."""
     peaks = {}
     for p, m in _cases():
-        if schedules.SCHEDULES[name].chunks and m % p:
+        if schedules.SCHEDULES[name].takes_v and m % p:
             continue
         sched = schedules.make(name, p, m, v)
         tl = schedules.simulate(sched, v=v)
@@ -64,7 +65,7 @@ def _check_lists(name, v):
                     assert all(f < i for k in backs for i in seen[(k, c, mb)])
         formula = schedules.bubble_formula(name, p, m, v)
         assert tl.bubble == pytest.approx(formula, abs=1e-12), (name, p, m, v)
-        for pair, (sent, received) in schedules.message_orders(sched, v).items():
+        for pair, (sent, received) in p2p.message_orders(sched, v).items():
             assert sent == received, (name, p, m, v, pair)
         peaks[(p, m)] = tl.peak_in_flight()
     return peaks
@@ -124,12 +125,13 @@ def _pipeline_runs(pp, dp):
     out = {}
     for name, v in RUNS:
         try:
-            actions = schedules.make(name, pp, M, v)[grid.pp_rank]
+            plan = schedules.make(name, pp, M, v)
         except NotImplementedError as e:  # a started exercise's stub: the other schedules run
             out[name] = str(e)
             continue
-        stages = build_stages(CFG, grid, v)
-        runner = PipelineRunner(stages, grid, CFG, (B, T))
+        actions = plan[grid.pp_rank]
+        stages = build_stages(CFG, grid, plan.placement)
+        runner = PipelineRunner(stages, grid, CFG, (B, T), placement=plan.placement)
         params = stage_parameters(stages)
         opt = torch.optim.SGD(list(params.values()), lr=0.5)
         losses, grads, peak = [], None, None
@@ -182,7 +184,7 @@ def _torch_pipelining(pp):
         ("1f1b", 1, Schedule1F1B),
         ("interleaved", 2, ScheduleInterleaved1F1B),
     ):
-        stages = build_stages(CFG, grid, v)
+        stages = build_stages(CFG, grid, Placement.loop(pp, v))
         pstages = []
         for c, mod in enumerate(stages):
             index = c * pp + grid.pp_rank
@@ -277,9 +279,10 @@ def _reference(dp):
 def _gpipe_step_on_two_ranks():
     """One GPipe step (no exercise's list) on 2 stages: the loss and this rank's gradients."""
     grid = ParallelGrid(pp=2)
-    stages = build_stages(CFG, grid, 1)
-    runner = PipelineRunner(stages, grid, CFG, (B, T))
-    loss, _ = runner.step(schedules.gpipe(2, M)[grid.pp_rank], _micro_batches(0))
+    plan = schedules.gpipe(2, M)
+    stages = build_stages(CFG, grid, plan.placement)
+    runner = PipelineRunner(stages, grid, CFG, (B, T), placement=plan.placement)
+    loss, _ = runner.step(plan[grid.pp_rank], _micro_batches(0))
     return loss, {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
 
 
@@ -397,16 +400,14 @@ def test_every_schedule_runs_under_nccls_p2p_rules():
             if name == "interleaved" and m % p:
                 continue
             sched = schedules.make(name, p, m, v)
-            schedules.play_p2p(sched, v)
-            schedules.play_p2p(sched, v, per_group=True)
+            p2p.play_p2p(sched, v)
+            p2p.play_p2p(sched, v, per_group=True)
 
 
 def test_one_group_per_message_kind_hangs_interleaved_at_pp2():
     # the old layout (activations on one group, gradients on another) deadlocks under NCCL
     with pytest.raises(schedules.Deadlock, match="no rank can proceed"):
-        schedules.play_p2p(
-            schedules.make("interleaved", 2, 4, 2), 2, lane=lambda src, dst, msg: msg[0]
-        )
+        p2p.play_p2p(schedules.make("interleaved", 2, 4, 2), 2, lane=lambda src, dst, msg: msg[0])
 
 
 def test_receives_out_of_send_order_are_caught():
@@ -414,12 +415,12 @@ def test_receives_out_of_send_order_are_caught():
     sched = schedules.one_f_one_b(2, 2)
     sched[1] = [A("F", 1), A("B", 1), A("F", 0), A("B", 0)]
     with pytest.raises(schedules.Deadlock, match="wrong tensor"):
-        schedules.play_p2p(sched)
+        p2p.play_p2p(sched)
 
 
 def test_lanes_are_one_way():
-    assert schedules.p2p_lane(0, 1) == schedules.p2p_lane(3, 5) == "up"
-    assert schedules.p2p_lane(1, 0) == schedules.p2p_lane(3, 0) == "down"
+    assert p2p.p2p_lane(0, 1) == p2p.p2p_lane(3, 5) == "up"
+    assert p2p.p2p_lane(1, 0) == p2p.p2p_lane(3, 0) == "down"
 
 
 def _crossed_receives_on_the_runtime():
@@ -440,8 +441,9 @@ def _crossed_receives_on_the_runtime():
         ("crossed, in posting order", crossed, True),
     ):
         (nccl_rules.ignore_p2p_tags if ignore_tags else nccl_rules.restore_p2p_tags)()
-        stages = build_stages(CFG, grid, 1)
-        PipelineRunner(stages, grid, CFG, (B, T)).step(sched[grid.pp_rank], _micro_batches(0))
+        stages = build_stages(CFG, grid, good.placement)
+        runner = PipelineRunner(stages, grid, CFG, (B, T), placement=good.placement)
+        runner.step(sched[grid.pp_rank], _micro_batches(0))
         out[name] = {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
     return out
 

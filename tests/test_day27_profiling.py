@@ -332,9 +332,10 @@ def test_the_lessons_named_ranges_appear_by_name_in_cpu_traces_of_days_17_18_and
         assert set(want) <= names, (stage, set(want) - names)
 
     grid = ParallelGrid(pp=1)
-    stages = build_stages(preset("tiny"), grid, 1)
-    runner = PipelineRunner(stages, grid, preset("tiny"), (2, 16))
-    actions = schedules.make("1f1b", 1, 2, 1)[0]
+    plan = schedules.make("1f1b", 1, 2, 1)
+    stages = build_stages(preset("tiny"), grid, plan.placement)
+    runner = PipelineRunner(stages, grid, preset("tiny"), (2, 16), placement=plan.placement)
+    actions = plan[0]
     names = _traced_names(tmp_path, "day20", lambda: runner.step(actions, batches))
     assert {"F0", "F1", "B0", "B1", "wait send"} <= names  # one stage: no messages
 
