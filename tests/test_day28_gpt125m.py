@@ -325,7 +325,7 @@ LAUNCH = os.path.join(os.path.dirname(train.__file__), "launch")
         ("train_8gpu.sh", {"STRATEGY": "tp_pp", "TP": "2", "PP": "2"}, 8),
         ("train_2node.sh", {"RDZV_HOST": "10.0.0.1"}, 16),
         ("slurm.sbatch", {"SLURM_NNODES": "2", "HEAD_NODE": "n0"}, 16),
-        ("deepspeed.sh", {}, 16),
+        pytest.param("deepspeed.sh", {}, 16, marks=needs_extras("deepspeed")),  # its zero3
     ],
 )
 def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(script, env, world, tmp_path,
