@@ -105,27 +105,46 @@ def zero3_row(name: str, gpus: int, cfg: Config) -> dict:
     comm = step.link_s(traffic, inside_node=gpus <= cfg.gpus_per_node)
     compute = step.compute_s(flops_per_token(model, s) * tokens / gpus)
     return dict(
-        strategy="zero3", layout=f"dp{gpus}", m=m, memory_gb=mem["total"] / GB,
-        comm_gb=traffic / GB, comm_s=comm, bubble=0.0, compute_s=compute,
+        strategy="zero3",
+        layout=f"dp{gpus}",
+        m=m,
+        memory_gb=mem["total"] / GB,
+        comm_gb=traffic / GB,
+        comm_s=comm,
+        bubble=0.0,
+        compute_s=compute,
         step_s=step.step_s(compute, overlappable_s=comm),
-    )  # fmt: skip
+    )
 
 
 def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
     tokens, b = BATCH[name]
-    rows, _ = planner.plan(MODELS[name], gpus, tokens=tokens, b=b, per_node=cfg.gpus_per_node,
-                        memory_gb=cfg.usable_gb, step=cfg.step_model())  # fmt: skip
+    rows, _ = planner.plan(
+        MODELS[name],
+        gpus,
+        tokens=tokens,
+        b=b,
+        per_node=cfg.gpus_per_node,
+        memory_gb=cfg.usable_gb,
+        step=cfg.step_model(),
+    )
     mp = [r for r in rows if not r["layout"].startswith("tp1-pp1")]  # model parallel layouts
     fits = [r for r in mp if r["memory_gb"] <= cfg.usable_gb]
     pick = min(fits, key=lambda r: r["step_s"]) if fits else min(mp, key=lambda r: r["memory_gb"])
     layout = {x.name(): x for x in planner.layouts_of(MODELS[name], gpus, cfg.gpus_per_node)}
     return dict(
-        strategy="tp_pp", layout=pick["layout"], m=pick["m"], memory_gb=pick["memory_gb"],
+        strategy="tp_pp",
+        layout=pick["layout"],
+        m=pick["m"],
+        memory_gb=pick["memory_gb"],
         comm_gb=pick["tp_gb"] + pick["pp_gb"] + pick["dp_gb"],
-        comm_s=pick["tp_s"] + pick["pp_s"] + pick["dp_s"], bubble=pick["bubble"],
-        compute_s=pick["compute_s"], step_s=pick["step_s"], plan=pick,
+        comm_s=pick["tp_s"] + pick["pp_s"] + pick["dp_s"],
+        bubble=pick["bubble"],
+        compute_s=pick["compute_s"],
+        step_s=pick["step_s"],
+        plan=pick,
         lay=layout[pick["layout"]],  # the Layout, for code that builds it (day 28's scale.py)
-    )  # fmt: skip
+    )
 
 
 def compare(cfg: Config, sizes: list[int] | None = None) -> list[dict]:
@@ -134,8 +153,9 @@ def compare(cfg: Config, sizes: list[int] | None = None) -> list[dict]:
     for name in cfg.models.split(","):
         for gpus in sizes or _sizes(cfg.gpus):
             for row in (zero3_row(name, gpus, cfg), tp_pp_row(name, gpus, cfg)):
-                rows.append({"model": name, "gpus": gpus, **row,
-                             "fits": row["memory_gb"] <= cfg.usable_gb})  # fmt: skip
+                rows.append(
+                    {"model": name, "gpus": gpus, **row, "fits": row["memory_gb"] <= cfg.usable_gb}
+                )
     return rows
 
 
@@ -172,8 +192,9 @@ def measured_runs(root: str = "outputs/day28_gpt125m") -> list[dict]:
             s = json.load(f)
         if not s.get("state_bytes"):
             continue
-        want = fit.predicted_bytes(preset(s["model"]), s["strategy"], world=s["world"],
-                                   tp=s["tp"], pp=s["pp"])["resident"]  # fmt: skip
+        want = fit.predicted_bytes(
+            preset(s["model"]), s["strategy"], world=s["world"], tp=s["tp"], pp=s["pp"]
+        )["resident"]
         out.append({**s, "predicted_state_bytes": want})
     return out
 
@@ -191,18 +212,30 @@ def figure(cfg: Config):
     axes = fig.subplots(2, len(names), squeeze=False)
     for col, name in enumerate(names):
         mem_ax, step_ax = axes[0][col], axes[1][col]
-        for strategy, color in (("zero3", "tab:blue"), ("tp_pp", "tab:orange")):
+        # each row kind, its colour, and whether its points name their layout (TP + PP's, picked
+        # by the plan, changes with N; ZeRO-3's is dp N)
+        for strategy, color, named in (("zero3", "tab:blue", False), ("tp_pp", "tab:orange", True)):
             mine = [r for r in rows if r["model"] == name and r["strategy"] == strategy]
             gpus = [r["gpus"] for r in mine]
             for ax, key in ((mem_ax, "memory_gb"), (step_ax, "step_s")):
                 ax.plot(gpus, [r[key] for r in mine], color=color, label=strategy)
                 for r in mine:
-                    ax.plot(r["gpus"], r[key], "o", color=color,
-                            markerfacecolor=color if r["fits"] else "white")  # fmt: skip
-            if strategy == "tp_pp":  # the picked layout changes with N: say which
+                    ax.plot(
+                        r["gpus"],
+                        r[key],
+                        "o",
+                        color=color,
+                        markerfacecolor=color if r["fits"] else "white",
+                    )
+            if named:
                 for r in mine:
-                    mem_ax.annotate(r["layout"], (r["gpus"], r["memory_gb"]), fontsize=6,
-                                    xytext=(2, 4), textcoords="offset points")  # fmt: skip
+                    mem_ax.annotate(
+                        r["layout"],
+                        (r["gpus"], r["memory_gb"]),
+                        fontsize=6,
+                        xytext=(2, 4),
+                        textcoords="offset points",
+                    )
         compute = [r["compute_s"] for r in rows if r["model"] == name and r["strategy"] == "zero3"]
         step_ax.plot(sizes, compute, ":", color="gray", label="compute alone")
         mem_ax.axhline(cfg.usable_gb, color="red", ls="--", label=f"usable {cfg.usable_gb:.1f} GB")

@@ -5,7 +5,7 @@
 
 Model state per rank, Ψ parameters, N = world ranks, fp32 (bf16 autocast keeps fp32 weights),
 from the days that measured each: resident (the partitions a rank keeps) + gathered (what it holds
-full while a step runs), each strategy's own predicted_state (strategies.py):
+full while a step runs), each strategy's own predicted_state (its class in REGISTRY):
     ddp        16Ψ: 4 param + 4 grad + 8 Adam (day 18's table)               + 0
     fsdp2      16Ψ/N                                                          + the largest block
     zero2      4Ψ + 16Ψ/N: parameters whole, the rest sharded, fp32 master    + 0
@@ -57,18 +57,28 @@ def device_bytes(local_world: int) -> float:
     return ram / max(1, local_world)
 
 
-def predicted_bytes(cfg, strategy: str, *, world: int, tp: int = 1, pp: int = 1, micro: int = 1,
-                    seq_len: int = 1024, precision: str = "fp32") -> dict[str, float]:  # fmt: skip
+def predicted_bytes(
+    cfg,
+    strategy: str,
+    *,
+    world: int,
+    tp: int = 1,
+    pp: int = 1,
+    micro: int = 1,
+    seq_len: int = 1024,
+    precision: str = "fp32",
+) -> dict[str, float]:
     """Per-rank bytes of `strategy`: resident state, gathered parameters, activations, and the
     states and total they add up to. `cfg`: a GPTConfig, or anything with model_config()."""
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
-    kind = REGISTRY[strategy]  # each strategy predicts its own state (strategies.py)
+    kind = REGISTRY[strategy]  # each strategy predicts its own state (its class)
     resident, gathered = kind.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)
     t = tp if kind.model_parallel else 1
     acts = formulas.activation_bytes(m, seq_len, micro, t, precision)  # day 22's count
     states = resident + gathered
-    return dict(resident=resident, gathered=gathered, states=states, activations=acts,
-                total=states + acts)  # fmt: skip
+    return dict(
+        resident=resident, gathered=gathered, states=states, activations=acts, total=states + acts
+    )
 
 
 def check(cfg) -> None:

@@ -79,12 +79,19 @@ def zero3_row(name: str, gpus: int) -> dict:
     model = compare.MODELS[name]
     state = fit.predicted_bytes(model, "zero3", world=gpus, precision="bf16")["resident"]
     return dict(
-        model=name, gpus=gpus, strategy="zero3", layout=row["layout"], m=row["m"],
-        traffic_sim=sim["sent"], traffic_formula=compare.zero3_traffic_bytes(
-            num_params(model), gpus, row["m"]),
-        state_sim=sim["state"], state_formula=state, params_sim=None, params_formula=None,
+        model=name,
+        gpus=gpus,
+        strategy="zero3",
+        layout=row["layout"],
+        m=row["m"],
+        traffic_sim=sim["sent"],
+        traffic_formula=compare.zero3_traffic_bytes(num_params(model), gpus, row["m"]),
+        state_sim=sim["state"],
+        state_formula=state,
+        params_sim=None,
+        params_formula=None,
         seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+    )
 
 
 def tp_pp_row(name: str, gpus: int) -> dict:
@@ -92,13 +99,19 @@ def tp_pp_row(name: str, gpus: int) -> dict:
     t0 = time.perf_counter()
     r = stack_scale.row_at(compare.MODELS[name], row["lay"], row["plan"], k=0)
     return dict(
-        model=name, gpus=gpus, strategy="tp_pp", layout=row["layout"], m=row["m"],
+        model=name,
+        gpus=gpus,
+        strategy="tp_pp",
+        layout=row["layout"],
+        m=row["m"],
         traffic_sim=(r["tp_sim"] + r["pp_sim"]) * row["m"],
         traffic_formula=(r["tp_formula"] + r["pp_formula"]) * row["m"],
-        state_sim=None, state_formula=None,  # plan.py's state assumes Megatron's optimizer
-        params_sim=r["params_sim"], params_formula=r["params_formula"],  # elements, fullest stage
+        state_sim=None,
+        state_formula=None,  # plan.py's state assumes Megatron's optimizer
+        params_sim=r["params_sim"],
+        params_formula=r["params_formula"],  # elements, fullest stage
         seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+    )
 
 
 def gap(r: dict, key: str) -> float:
@@ -107,9 +120,9 @@ def gap(r: dict, key: str) -> float:
 
 
 def show(r: dict) -> str:
-    if r["strategy"] == "tp_pp":  # parameters on the fullest stage, in millions
+    if r["params_formula"] is not None:  # TP + PP: parameters on the fullest stage, millions
         key, label, scale = "params", "params (M)", 1e6
-    else:  # model state bytes
+    else:  # ZeRO-3: model state bytes
         key, label, scale = "state", "state (GB)", GB
     return (
         f"{r['model']:<10}{r['gpus']:>5} {r['strategy']:<6}{r['layout']:<13}{r['m']:>5}"

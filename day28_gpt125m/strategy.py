@@ -3,8 +3,9 @@
 A strategy is a class with a name, what it supports (model parallelism, --precision, --compile,
 checkpoints), the optional extras it needs (deepspeed, megatron), its predicted per-rank model
 state (fit.py asks it), how it is built from the recipe and the grid, and one optimizer step.
-strategies.py holds the course's strategies; a new one is a class there with @register, and
-train.py's --strategy, fit.py and the tests take it from REGISTRY.
+The course's strategies are classes with @register in one module per family (data_parallel.py,
+deepspeed_zero.py, model_parallel.py, megatron_core.py); strategies.py imports them all, so its
+REGISTRY is complete, and train.py's --strategy, fit.py and the tests take them from there.
 """
 
 from __future__ import annotations
@@ -40,22 +41,43 @@ class Strategy:
     last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
-    def __init__(self, cfg: GPTConfig, r: Recipe, grid: ParallelGrid, device, *, micro_batch: int,
-                 accum: int, seq_len: int, seed: int, steps: int, recompute: str):  # fmt: skip
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        r: Recipe,
+        grid: ParallelGrid,
+        device,
+        *,
+        micro_batch: int,
+        accum: int,
+        seq_len: int,
+        seed: int,
+        steps: int,
+        recompute: str,
+    ):
         """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid.
         Every strategy takes these arguments (a subclass names the ones it uses, then **_)."""
         raise NotImplementedError
 
     @classmethod
-    def predicted_state(cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1,
-                        precision: str = "fp32") -> tuple[float, float]:  # fmt: skip
+    def predicted_state(
+        cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1, precision: str = "fp32"
+    ) -> tuple[float, float]:
         """(resident, gathered) model-state bytes per rank: the partitions a rank keeps, and
         what it holds full while a step runs (fit.py's table)."""
         raise NotImplementedError
 
     @classmethod
-    def predicted_rank_state(cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1,
-                             pp_rank: int = 0, precision: str = "fp32") -> float:  # fmt: skip
+    def predicted_rank_state(
+        cls,
+        m: GPTConfig,
+        *,
+        world: int,
+        tp: int = 1,
+        pp: int = 1,
+        pp_rank: int = 0,
+        precision: str = "fp32",
+    ) -> float:
         """The resident model-state bytes of the ranks at pipeline position `pp_rank` (the
         same on every rank unless the strategy pipelines: then the first stage holds the
         embedding, the last the head). fit.py sizes by the fullest; the tests check each."""

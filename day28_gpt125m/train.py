@@ -129,9 +129,14 @@ class Config:
 
     def recipe(self) -> Recipe:
         return Recipe(
-            lr=self.lr, min_lr=self.min_lr, warmup=self.warmup, steps=self.steps,
-            weight_decay=self.weight_decay, clip=self.clip, precision=self.precision,
-        )  # fmt: skip
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup=self.warmup,
+            steps=self.steps,
+            weight_decay=self.weight_decay,
+            clip=self.clip,
+            precision=self.precision,
+        )
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
@@ -142,8 +147,10 @@ class Config:
         except DataError as e:
             raise err(str(e)) from None
         if not APPLIES[self.precision]:
-            raise err(f"--precision={self.precision} is applied by no strategy here (its loss "
-                      "scaler is not wired); use bf16")  # fmt: skip
+            raise err(
+                f"--precision={self.precision} is applied by no strategy here (its loss "
+                "scaler is not wired); use bf16"
+            )
         if (self.tp > 1 or self.pp > 1) and self.strategy not in MODEL_PARALLEL:
             raise err(f"--tp/--pp are for {', '.join(MODEL_PARALLEL)}, not {self.strategy}")
         kind = REGISTRY[self.strategy]
@@ -206,15 +213,19 @@ def prepare_data(cfg: Config):
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, full: dict, val, device) -> float:
-    """Validation loss of the gathered model on rank 0 (the same rows at any world size)."""
+def evaluate(cfg: Config, full: dict, val, device) -> tuple[float, GPT]:
+    """Validation loss of the gathered model on rank 0 (the same rows at any world size), and
+    that model (rank 0 samples from it)."""
     gpt = GPT(cfg.model_config(), seed=cfg.seed).to(device)
     gpt.load_state_dict(full, strict=False)
     gpt.tie_weights()
-    batches = shards.StepBatches(val, cfg.seq_len, cfg.micro_batch_size, dp_rank=0, dp_size=1,
-                                 seed=cfg.seed + 1)  # fmt: skip
-    losses = [loss_fn(gpt(x.to(device)), y.to(device)).item() for x, y in
-              (batches[i] for i in range(cfg.eval_batches))]  # fmt: skip
+    batches = shards.StepBatches(
+        val, cfg.seq_len, cfg.micro_batch_size, dp_rank=0, dp_size=1, seed=cfg.seed + 1
+    )
+    losses = [
+        loss_fn(gpt(x.to(device)), y.to(device)).item()
+        for x, y in (batches[i] for i in range(cfg.eval_batches))
+    ]
     return sum(losses) / len(losses), gpt
 
 
@@ -222,20 +233,32 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     train, val, tokenizer = prepare_data(cfg)
     r = cfg.recipe()
     strategy = build(
-        cfg.strategy, cfg.model_config(), r, grid, info.device, micro_batch=cfg.micro_batch_size,
-        accum=cfg.accum, seq_len=cfg.seq_len, seed=cfg.seed, steps=cfg.steps,
+        cfg.strategy,
+        cfg.model_config(),
+        r,
+        grid,
+        info.device,
+        micro_batch=cfg.micro_batch_size,
+        accum=cfg.accum,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        steps=cfg.steps,
         recompute=cfg.recompute,
-    )  # fmt: skip
+    )
     if cfg.compile and cfg.strategy in COMPILE:
         strategy.model = torch.compile(strategy.model)
     if cfg.compile and cfg.strategy not in COMPILE:
-        dtl_dist.print0(f"note: --compile is applied by {', '.join(COMPILE)} only; "
-                        f"{cfg.strategy} runs without it")  # fmt: skip
+        dtl_dist.print0(
+            f"note: --compile is applied by {', '.join(COMPILE)} only; "
+            f"{cfg.strategy} runs without it"
+        )
     precision = REGISTRY[cfg.strategy].runs_in(cfg.precision)
     if precision != cfg.precision:
         applied_by = ", ".join(APPLIES[cfg.precision])
-        dtl_dist.print0(f"note: --precision={cfg.precision} is applied by {applied_by} only; "
-                        f"{cfg.strategy} runs {precision}")  # fmt: skip
+        dtl_dist.print0(
+            f"note: --precision={cfg.precision} is applied by {applied_by} only; "
+            f"{cfg.strategy} runs {precision}"
+        )
     start = strategy.load(cfg.ckpt_dir) if cfg.resume else 0
     if cfg.resume:
         dtl_dist.print0(f"resumed from {cfg.ckpt_dir} at step {start}")
@@ -246,16 +269,25 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     tokens = cfg.global_batch_size * cfg.seq_len
     peak = peak_flops(info.device, precision)
     log = StepLogger(
-        cfg.out_dir, cfg.steps, tokens_per_step=tokens,
+        cfg.out_dir,
+        cfg.steps,
+        tokens_per_step=tokens,
         flops_per_token=flops_per_token(cfg.model_config(), cfg.seq_len),
-        peak_flops_per_device=peak, n_devices=info.world_size,
-    )  # fmt: skip
+        peak_flops_per_device=peak,
+        n_devices=info.world_size,
+    )
     loader = shards.step_loader(
-        train, seq_len=cfg.seq_len, rows=cfg.micro_batch_size * cfg.accum, dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size, seed=cfg.seed, start_step=start, steps=cfg.stop_at or cfg.steps,
+        train,
+        seq_len=cfg.seq_len,
+        rows=cfg.micro_batch_size * cfg.accum,
+        dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+        seed=cfg.seed,
+        start_step=start,
+        steps=cfg.stop_at or cfg.steps,
         workers=cfg.workers,
         pin_memory=info.device.type == "cuda",
-    )  # fmt: skip
+    )
     losses, norms, times, waits, evals = [], [], [], [], []
     t_wait = time.perf_counter()
     for step, (x, y) in loader:
@@ -270,8 +302,14 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(mean_loss(loss, grid))
         norms.append(norm)
-        log.log(step, loss=losses[-1], lr=lr_at(step, r), grad_norm=norm, dt_s=times[-1],
-                data_ms=f"{waits[-1] * 1e3:.0f}")  # fmt: skip
+        log.log(
+            step,
+            loss=losses[-1],
+            lr=lr_at(step, r),
+            grad_norm=norm,
+            dt_s=times[-1],
+            data_ms=f"{waits[-1] * 1e3:.0f}",
+        )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             evals.append((step + 1, _eval(cfg, strategy, val, info)))
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -284,9 +322,19 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     if info.is_main and cfg.sample_tokens:
         sample = generate(gpt, tokenizer, "ROMEO:", cfg.sample_tokens, seed=cfg.seed)
     strategy.close()
-    return dict(losses=losses, norms=norms, times=times, waits=waits, evals=evals, full=full,
-                val_loss=val_loss, sample=sample, train=train, start=start,
-                state=strategy.last_state)  # fmt: skip
+    return dict(
+        losses=losses,
+        norms=norms,
+        times=times,
+        waits=waits,
+        evals=evals,
+        full=full,
+        val_loss=val_loss,
+        sample=sample,
+        train=train,
+        start=start,
+        state=strategy.last_state,
+    )
 
 
 def _eval(cfg: Config, strategy, val, info) -> float | None:
@@ -301,11 +349,20 @@ def reference(cfg: Config, train) -> tuple[list[float], dict, list[float]]:
     r = cfg.recipe()
     norms: list[float] = []
     losses, gpt = one_process_gpt(
-        cfg.model_config(), train.read(0, len(train)), seq_len=cfg.seq_len,
-        rows=cfg.global_batch_size, steps=cfg.steps, seed=cfg.seed, lr=r.lr,
-        weight_decay=r.weight_decay, eps=r.eps, betas=r.betas, clip_grad=r.clip or None,
-        grad_norms=norms, lr_at=lambda step: lr_at(step, r),
-    )  # fmt: skip
+        cfg.model_config(),
+        train.read(0, len(train)),
+        seq_len=cfg.seq_len,
+        rows=cfg.global_batch_size,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        lr=r.lr,
+        weight_decay=r.weight_decay,
+        eps=r.eps,
+        betas=r.betas,
+        clip_grad=r.clip or None,
+        grad_norms=norms,
+        lr_at=lambda step: lr_at(step, r),
+    )
     return losses, dict(gpt.named_parameters()), norms
 
 
@@ -325,18 +382,30 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         )
     elif cfg.check:
         verdict = reference_verdict(
-            result["losses"], result["full"], lambda: reference(cfg, result["train"]),
-            steps=cfg.steps, device=info.device, what="one process", optimizer="AdamW",
-            grad_norms=result["norms"], norm_rtol=ADAM_NORM_RTOL,  # dtl.reference says why
-        )  # fmt: skip
+            result["losses"],
+            result["full"],
+            lambda: reference(cfg, result["train"]),
+            steps=cfg.steps,
+            device=info.device,
+            what="one process",
+            optimizer="AdamW",
+            grad_norms=result["norms"],
+            norm_rtol=ADAM_NORM_RTOL,  # dtl.reference says why
+        )
     dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
     if info.is_main:  # what compare.py reads beside its predictions
         state = sum(result["state"].values()) if result["state"] else None
         summary = dict(
-            run=os.path.basename(cfg.out_dir), strategy=cfg.strategy, model=cfg.model,
-            world=info.world_size, tp=cfg.tp, pp=cfg.pp, state_bytes=state,
-            tokens_per_s=tokens_s, final_loss=result["losses"][-1],
-        )  # fmt: skip
+            run=os.path.basename(cfg.out_dir),
+            strategy=cfg.strategy,
+            model=cfg.model,
+            world=info.world_size,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            state_bytes=state,
+            tokens_per_s=tokens_s,
+            final_loss=result["losses"][-1],
+        )
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
     dtl_dist.print0(

@@ -69,10 +69,18 @@ RECOMPUTE = {"tp_sp": "full"}
 def _config(strategy, tmp, **kw) -> train.Config:
     tp, pp = _sizes(strategy)
     cfg = train.Config(
-        strategy=strategy, tp=tp, pp=pp, steps=STEPS, check=False, sample_tokens=0, workers=1,
-        data_dir=os.path.join(tmp, "data"), out_dir=os.path.join(tmp, strategy),
-        recompute=RECOMPUTE.get(strategy, "none"), **kw,
-    )  # fmt: skip
+        strategy=strategy,
+        tp=tp,
+        pp=pp,
+        steps=STEPS,
+        check=False,
+        sample_tokens=0,
+        workers=1,
+        data_dir=os.path.join(tmp, "data"),
+        out_dir=os.path.join(tmp, strategy),
+        recompute=RECOMPUTE.get(strategy, "none"),
+        **kw,
+    )
     cfg.validate()
     return cfg
 
@@ -113,8 +121,11 @@ def _ranks(name, tmp_path_factory, resumed: bool = False) -> list[dict]:
     apart, so that a broken checkpoint fails the resume tests only."""
     key = (_world(name), REGISTRY[name].extras, resumed)
     if key not in _SPAWNS:
-        group = [n for n in (RESUMABLE if resumed else REGISTRY)
-                 if (_world(n), REGISTRY[n].extras) == key[:2]]  # fmt: skip
+        group = [
+            n
+            for n in (RESUMABLE if resumed else REGISTRY)
+            if (_world(n), REGISTRY[n].extras) == key[:2]
+        ]
         tmp = str(tmp_path_factory.mktemp(f"d28w{key[0]}"))
         try:
             _SPAWNS[key] = run_distributed(
@@ -202,6 +213,12 @@ def test_measured_state_on_deepspeed_and_megatron_core_is_the_prediction(name, t
     _check_state(_ranks(name, tmp_path_factory), name)
 
 
+def test_the_registry_lists_every_strategy_in_the_notes_order():
+    """strategies.py imports one module per family for its @register: REGISTRY, --help and
+    fit.check's hint list the strategies in the order the notes give them."""
+    assert list(REGISTRY) == ["ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "megatron"]
+
+
 # --- the data pipeline -------------------------------------------------------------------------
 
 
@@ -267,9 +284,10 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
     cfg = ablation.Config(model="tiny-nobias", seq_len=16, batch_size=2, steps=2)
     tokens = load_corpus(tokenizer="byte").train
     cpu = torch.device("cpu")
-    run = {n: ablation.measure(cfg, ablation.VARIANTS[n], tokens, cpu) for n in (
-        "AdamW: for-loop", "AdamW: fused", "compile: eager", "compile: torch.compile"
-    )}  # fmt: skip
+    run = {
+        n: ablation.measure(cfg, ablation.VARIANTS[n], tokens, cpu)
+        for n in ("AdamW: for-loop", "AdamW: fused", "compile: eager", "compile: torch.compile")
+    }
     for new, base, tol in (
         ("AdamW: fused", "AdamW: for-loop", 1e-6),
         ("compile: torch.compile", "compile: eager", 1e-5),  # inductor reorders float sums
@@ -305,10 +323,13 @@ def test_bad_input_is_one_line(args, world, message, monkeypatch, tmp_path):
 
 def test_a_model_that_does_not_fit_is_refused_before_allocation_with_what_fits():
     line = script_error(
-        "day28_gpt125m.train", "--model=gpt2-124m", "--strategy=ddp", "--seq_len=1024",
+        "day28_gpt125m.train",
+        "--model=gpt2-124m",
+        "--strategy=ddp",
+        "--seq_len=1024",
         "--global_batch_size=16",
         env={"WORLD_SIZE": "8", "DTL_DEVICE_MEMORY_GB": "3"},
-    )  # fmt: skip
+    )
     assert "gpt2-124m with ddp needs ~" in line and "the device has 3.0 GB" in line
     assert "strategies that fit: fsdp2" in line
     state_gb = float(re.search(r"needs ~[\d.]+ GB per rank \(state ([\d.]+)", line).group(1))
@@ -328,15 +349,19 @@ LAUNCH = os.path.join(os.path.dirname(train.__file__), "launch")
         pytest.param("deepspeed.sh", {}, 16, marks=needs_extras("deepspeed")),  # its zero3
     ],
 )
-def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(script, env, world, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(
+    script, env, world, tmp_path, monkeypatch
+):
     import shlex
     import subprocess
 
     out = subprocess.run(
-        ["bash", os.path.join(LAUNCH, script)], capture_output=True, text=True, check=True,
+        ["bash", os.path.join(LAUNCH, script)],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "DRY_RUN": "1", **env},
-    ).stdout  # fmt: skip
+    ).stdout
     words = shlex.split(out)
     if words[0] == "deepspeed":  # the script by path, --local_rank added by the launcher
         args = words[words.index("day28_gpt125m/train.py") + 1 :] + ["--local_rank=0"]
