@@ -61,6 +61,9 @@ from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 
+# the range around one runner step: day 27 reads a trace's idle inside it by the runtime's rule
+SCHEDULE_RANGE = "schedule"
+
 
 class PipelineError(ValueError):
     """Sizes the pipeline cannot take; a one-line message."""
@@ -165,6 +168,18 @@ class PipelineRunner:
         self.sends: list = []
         self.loss = 0.0
         rec = StepRecord()
+        with dtl_profile.range(SCHEDULE_RANGE):  # the step as its caller times it
+            self._run(actions, rec)
+            with dtl_profile.range(dtl_profile.comm_name("send", wait=True)):
+                for work in self.sends:  # every isend must complete before its buffer is reused
+                    work.wait()
+            self._sum_tied_embedding_grads()
+            _done(self.device)  # the step's host time includes its GPU work (callers time it)
+        last = self._stage(self.v - 1) == self.n_stages - 1
+        return (self.loss if last else None), rec
+
+    def _run(self, actions: list[Action], rec: StepRecord) -> None:
+        """The actions in order, each in its named range; its span and the in-flight count."""
         live = LiveActivations(p for s in self.stages for p in s.parameters())
         with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
             for a in actions:
@@ -177,13 +192,6 @@ class PipelineRunner:
                 # the span is the work, not the wait for the neighbour: that wait is the bubble
                 rec.spans.append((self._t_ready or t0, _done(self.device), a))
                 rec.peak_in_flight = max(rec.peak_in_flight, live.in_flight())
-        with dtl_profile.range(dtl_profile.comm_name("send", wait=True)):
-            for work in self.sends:  # every isend must complete before its buffer is reused
-                work.wait()
-        self._sum_tied_embedding_grads()
-        _done(self.device)  # the step's host time includes its GPU work (callers time it)
-        last = self._stage(self.v - 1) == self.n_stages - 1
-        return (self.loss if last else None), rec
 
     def _recv(self, src_stage: int, dst_stage: int, mb: int) -> torch.Tensor:
         """A (B_mb, T, C) tensor from src_stage's rank to this rank's dst_stage: an activation

@@ -104,7 +104,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         cfg.steps,
         tokens_per_step=cfg.micro_batch_size * cfg.microbatches * cfg.seq_len * grid.dp_size,
     )
-    losses, idle, peaks, record = [], [], [], None
+    losses, idle, idle_by_step, peaks, record = [], [], [], [], None
     for step in range(cfg.steps):
         batches = micro_batches(corpus.train, cfg, step, grid, info.device)
         dist.barrier()  # every rank starts the step together: idle time is the schedule's
@@ -120,12 +120,13 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         # the loss lives on each replica's last stage (0.0 elsewhere): sum, then mean over DP
         losses.append(dtl_dist.all_reduce_scalar(loss or 0.0) / grid.dp_size)
         idle.append(1 - sum(e - s for s, e, _ in record.spans) / dt)
+        idle_by_step.append(dtl_dist.all_reduce_scalar(idle[-1], average=True))
         peaks.append(record.peak_in_flight)
         log.log(
             step,
             loss=losses[-1],
             dt_s=dt,
-            idle=f"{dtl_dist.all_reduce_scalar(idle[-1], average=True):.0%}",
+            idle=f"{idle_by_step[-1]:.0%}",
             in_flight=record.peak_in_flight,
         )
     log.close()
@@ -133,6 +134,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         stages=stages,
         losses=losses,
         idle=idle,
+        idle_by_step=idle_by_step,  # mean over ranks, step by step (day 27 reads one of them)
         peak=max(peaks),
         record=record,
         corpus=corpus,
@@ -155,6 +157,8 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         f"measured idle {measured_idle:.3f} (mean over ranks and steps after the first; host "
         "clock, real stage costs, not the formula's F/B ratio)"
     )
+    by_step = " ".join(f"{x:.4f}" for x in result["idle_by_step"])
+    dtl_dist.print0(f"idle by step (mean over ranks): {by_step}")
     dtl_dist.print0(
         f"peak micro-batches holding activations per rank: measured {peaks[:p]}, from the "
         f"lists {ideal.peak_in_flight()}"

@@ -165,7 +165,7 @@ def test_breakdown_of_a_hand_made_trace(tmp_path):
 
 def test_real_cpu_traces_naive_sync_hides_nothing_and_bucketed_sync_some(tmp_path):
     # day 20's 1F1B trace against its own measured idle: the registered `traces` line, whose
-    # smoke run profiles pp_1f1b and must print "within 10% yes" (tests/test_lessons.py)
+    # smoke run profiles pp_1f1b and must print "within 2% yes" (tests/test_lessons.py)
     out = {}
     for name in ("ddp_naive", "ddp_bucket"):
         output, trace_dir = bench.profile_run(name, str(tmp_path))
