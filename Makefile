@@ -4,7 +4,7 @@
 # make prove      every graded exercise: its stub fails each grader, its solution passes (CI)
 # make gpu-check  the GPU check: the most valuable GPU lines first, inside BUDGET_S seconds
 # make gpu-all    every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
-# make lint       ruff
+# make lint       ruff, and mypy (strict) on the kit dtl/
 # make figures    redraw the notes' figures (dayNN/figures/*.png) from the course's code
 # make wheelhouse every wheel the course needs but torch, for an offline box (tools/wheelhouse.py)
 # Each target installs the project on first use (tools/install.sh); later calls reuse it.
@@ -72,7 +72,7 @@ gpu-all: $(STAMP)
 
 # on a connected machine: every wheel but torch for the Python and platform of the offline box
 # (WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64; HAVE=freeze.txt skips what it has;
-# WHEEL_EXTRAS=deepspeed,megatron leaves out pytest and ruff)
+# WHEEL_EXTRAS=deepspeed,megatron leaves out pytest, ruff and mypy)
 wheelhouse: $(STAMP)
 	$(PY) tools/wheelhouse.py --out wheelhouse $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) \
 		$(if $(WHEEL_PLATFORM),--platform $(WHEEL_PLATFORM)) $(if $(HAVE),--have $(HAVE)) \
@@ -80,6 +80,7 @@ wheelhouse: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check dtl day* tests tools
+	$(PY) -m mypy dtl
 
 figures: $(STAMP)
 	$(PY) tools/figures.py

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ import torch.distributed as dist
 # nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw x factor(n), the traffic
 # per link relative to S. For ring all-reduce / all-gather / reduce-scatter that is also what each
 # rank sends; for broadcast and reduce (a pipelined chain) each link carries S once.
-BUSBW_FACTOR = {
+BUSBW_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -37,7 +39,7 @@ BUSBW_FACTOR = {
 }
 
 
-def _nbytes(x) -> int:
+def _nbytes(x: torch.Tensor | Iterable[torch.Tensor]) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     return sum(_nbytes(t) for t in x)  # a list of tensors
@@ -63,30 +65,33 @@ _OPS = {
 }
 
 
-def _group_key(group) -> int:
+def _group_key(group: dist.ProcessGroup | None) -> int:
     return id(dist.group.WORLD if group is None else group)
 
 
 class CommCounter:
     """Counts calls and bytes (S, the collective's data size) per kind of collective."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.calls: Counter = Counter()
-        self.bytes: Counter = Counter()
-        self.ring_bytes: Counter = Counter()  # bytes x factor(size of the call's group), per call
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        # bytes x factor(size of the call's group), per call: Counters of floats, typed as the
+        # dicts they are (typeshed's Counter holds ints)
+        self.ring_bytes = cast("dict[str, float]", Counter())
         self.world: dict[str, int] = {}  # the group size last seen for each kind
-        self.group_ring_bytes: Counter = Counter()  # id(group) -> ring bytes of calls on it
-        self._saved: dict[str, object] = {}
+        # id(group) -> ring bytes of calls on it
+        self.group_ring_bytes = cast("dict[int, float]", Counter())
+        self._saved: dict[str, Any] = {}
 
-    def _matches(self, group) -> bool:
+    def _matches(self, group: dist.ProcessGroup | None) -> bool:
         if self.group is None:
             return True
         if group is None or group is dist.group.WORLD:
             return self.group is dist.group.WORLD
         return group is self.group
 
-    def _count(self, kind: str, nbytes: int, group) -> None:
+    def _count(self, kind: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
         if self._matches(group):
             n = dist.get_world_size(group)
             self.calls[kind] += 1
@@ -95,21 +100,24 @@ class CommCounter:
             self.world[kind] = n
             self.group_ring_bytes[_group_key(group)] += nbytes * BUSBW_FACTOR[kind](n)
 
-    def _wrap(self, name: str, fn):
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         kind, data_arg = _OPS[name]
         sig = inspect.signature(fn)
 
-        def counted(*args, **kwargs):
+        def counted(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
             self._count(kind, _nbytes(bound.arguments[data_arg]), bound.arguments.get("group"))
             return fn(*args, **kwargs)
 
-        # a name dtl.compat hides (DTL_HIDE_NEW_COLLECTIVES) stays hidden behind the counter
-        counted.dtl_hidden = getattr(fn, "dtl_hidden", False)
+        # a name dtl.compat hides (DTL_HIDE_NEW_COLLECTIVES) stays hidden behind the counter (a
+        # marker attribute on a function, which mypy does not model)
+        counted.dtl_hidden = getattr(fn, "dtl_hidden", False)  # type: ignore[attr-defined]
         return counted
 
-    def _wrap_batch(self, batch_fn):
-        def counted(p2p_op_list):
+    def _wrap_batch(
+        self, batch_fn: Callable[..., list[dist.Work]]
+    ) -> Callable[..., list[dist.Work]]:
+        def counted(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
             for op in p2p_op_list:  # P2POp(op, tensor, peer, group): one send or recv each
                 # by name: op.op is torch's own isend even when dist.isend is wrapped
                 kind = "send" if op.op.__name__ == "isend" else "recv"
@@ -130,19 +138,21 @@ class CommCounter:
         real = {dist.isend: originals["isend"], dist.irecv: originals["irecv"]}
         base = originals["P2POp"]
 
-        class P2POp(base):
-            def __new__(cls, op, *args, **kwargs):
+        # the class in force now (a subclass, if a counter is already active): mypy cannot check
+        # a base class held in a variable
+        class P2POp(base):  # type: ignore[misc,valid-type]
+            def __new__(cls, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 return base.__new__(cls, real.get(op, op), *args, **kwargs)
 
-            def __init__(self, op, *args, **kwargs):
+            def __init__(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
                 super().__init__(real.get(op, op), *args, **kwargs)
 
-        dist.P2POp = P2POp
+        dist.P2POp = P2POp  # type: ignore[misc]  # replaced while the counter is active
         batch = originals["batch_isend_irecv"]
         dist.batch_isend_irecv = self._wrap_batch(batch)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
             setattr(dist, name, original)
         self._saved = {}
@@ -152,7 +162,7 @@ class CommCounter:
         weighted by its own group's size)."""
         return sum(self.ring_bytes[k] for k in ([kind] if kind else list(self.ring_bytes)))
 
-    def ring_bytes_on(self, *groups) -> float:
+    def ring_bytes_on(self, *groups: dist.ProcessGroup | None) -> float:
         """Ring bytes of the calls made on any of `groups` (process groups; None = the world):
         what a lesson with several groups (TP, PP, DP) reports per axis."""
         keys = {_group_key(g) for g in groups}

@@ -24,7 +24,11 @@ import functools
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 
 # the torch 2.13 name -> the name every supported torch has
@@ -38,17 +42,17 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PASS_THROUGH = {os.path.abspath(__file__), os.path.join(_REPO, "dtl", "comm.py")}
 
 
-def collective(new_name: str):
+def collective(new_name: str) -> Callable[..., Any]:
     """The function torch has for `new_name`: itself where it exists (and is not hidden), else the
     older name it had before torch 2.13."""
-    fn = getattr(dist, new_name, None)
+    fn: Callable[..., Any] | None = getattr(dist, new_name, None)
     if fn is None or getattr(fn, "dtl_hidden", False):
-        return getattr(dist, NEW_TO_OLD[new_name])
+        return cast("Callable[..., Any]", getattr(dist, NEW_TO_OLD[new_name]))
     return fn
 
 
-def _call(new_name: str, *args, **kwargs):
-    fn = collective(new_name)
+def _call(new_name: str, *args: Any, **kwargs: Any) -> dist.Work | None:
+    fn: Callable[..., dist.Work | None] = collective(new_name)
     if fn.__name__ == new_name:
         return fn(*args, **kwargs)
     with warnings.catch_warnings():  # torch 2.13 calls the old names deprecated: we know
@@ -56,12 +60,23 @@ def _call(new_name: str, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+def all_gather_single(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
     """(N,) on each of n ranks -> (n*N,) on every rank, rank k's tensor at [k*N, (k+1)*N)."""
     return _call("all_gather_single", output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
     """(n*N,) on each of n ranks -> (N,): slice r of the sum over ranks, on rank r."""
     return _call("reduce_scatter_single", output, input, op=op, group=group, async_op=async_op)
 
@@ -74,7 +89,7 @@ def available() -> dict[str, bool]:
 def _course_caller() -> str | None:
     """'file:line' of the nearest caller outside compat/comm when it is the course's own code
     (dtl/ or a day folder), else None (torch, DeepSpeed, megatron-core or a test)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame and os.path.abspath(frame.f_code.co_filename) in _PASS_THROUGH:
         frame = frame.f_back
     if frame is None:
@@ -87,9 +102,9 @@ def _course_caller() -> str | None:
     return None
 
 
-def _hidden(name: str, real):
+def _hidden(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
-    def hidden(*args, **kwargs):
+    def hidden(*args: Any, **kwargs: Any) -> Any:
         caller = _course_caller()
         if caller:
             raise AttributeError(
@@ -98,7 +113,7 @@ def _hidden(name: str, real):
             )
         return real(*args, **kwargs)
 
-    hidden.dtl_hidden = True
+    hidden.dtl_hidden = True  # type: ignore[attr-defined]  # a marker attribute on a function
     return hidden
 
 

@@ -37,8 +37,15 @@ import textwrap
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from dtl.dist import exit_with_error, get_rank  # noqa: F401 (re-exported for the days)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_C = TypeVar("_C", bound="DataclassInstance")  # a config: a dataclass instance
 
 
 class ConfigError(ValueError):
@@ -61,12 +68,15 @@ class HelpRequested(Exception):
     """--help was given; the message is the help text."""
 
 
-def _field_types(cls) -> dict[str, type]:
+def _field_types(cls: type[DataclassInstance]) -> dict[str, Any]:
+    # each field's type expression (int, X | None, Literal[...], Annotated[...]): Any to mypy
     hints = typing.get_type_hints(cls, include_extras=True)  # keep Annotated's label
     return {f.name: hints[f.name] for f in settable_fields(cls)}
 
 
-def settable_fields(cls) -> list[dataclasses.Field]:
+def settable_fields(
+    cls: DataclassInstance | type[DataclassInstance],
+) -> list[dataclasses.Field[Any]]:
     """The fields a user sets (defaults, TOML, --key=value). A field declared with
     `dataclasses.field(init=False, ...)` is derived: `validate()` fills it (a loaded ds_config,
     the planned device), it is no key and is not saved, but it is declared, so a reader sees
@@ -74,7 +84,7 @@ def settable_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init]
 
 
-def choices(typ) -> tuple[str | None, tuple] | None:
+def choices(typ: Any) -> tuple[str | None, tuple[str | int, ...]] | None:
     """(label, values) of a choice field, else None. A choice field is typed Literal[...], or
     Annotated[Literal[...], "label"] where the error should name it otherwise than by its key:
 
@@ -94,12 +104,12 @@ def choices(typ) -> tuple[str | None, tuple] | None:
     return None
 
 
-def _plain(typ):
+def _plain(typ: Any) -> Any:
     """The type under Annotated[...] (its label is for choices)."""
     return typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Annotated else typ
 
 
-def _type_name(t) -> str:
+def _type_name(t: Any) -> str:
     choice = choices(t)
     if choice:
         return "{" + ",".join(map(str, choice[1])) + "}"
@@ -109,11 +119,11 @@ def _type_name(t) -> str:
     return "None" if t is type(None) else getattr(t, "__name__", str(t))
 
 
-def _valid_keys(cls) -> str:
+def _valid_keys(cls: type[DataclassInstance]) -> str:
     return ", ".join(f"{k} ({_type_name(t)})" for k, t in _field_types(cls).items())
 
 
-def _coerce(key: str, value, typ):
+def _coerce(key: str, value: object, typ: Any) -> object:
     """Convert a TOML value or a command-line string to the field's type, or explain why not."""
     choice = choices(typ)
     if choice:
@@ -153,7 +163,7 @@ def _coerce(key: str, value, typ):
         ) from None
 
 
-def _apply(cfg, updates: dict, source: str):
+def _apply(cfg: _C, updates: Mapping[str, object], source: str) -> _C:
     field_types = _field_types(type(cfg))
     for key, value in updates.items():
         if key not in field_types:
@@ -182,12 +192,12 @@ class Range:
     hi_open: bool = False  # hi itself excluded (Adam's beta < 1)
     text: str = ""  # how the error names the range ("a fraction in [0, 1]"); else built
 
-    def allows(self, v) -> bool:
+    def allows(self, v: float) -> bool:
         above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
         below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
         return math.isfinite(v) and above and below
 
-    def describe(self, value) -> str:
+    def describe(self, value: float) -> str:
         if self.text:
             return self.text
         low = None if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
@@ -233,13 +243,13 @@ def _name_rule(name: str) -> Range | None:
     return None
 
 
-def _declared_range(typ) -> Range | None:
+def _declared_range(typ: Any) -> Range | None:
     if typing.get_origin(typ) is typing.Annotated:
         return next((m for m in typing.get_args(typ)[1:] if isinstance(m, Range)), None)
     return None
 
 
-def check_values(cfg) -> None:
+def check_values(cfg: DataclassInstance) -> None:
     """The shared numeric checks: a declared Range, else the name's rule; finite floats."""
     types_ = _field_types(type(cfg))
     for key, value in to_dict(cfg).items():
@@ -266,7 +276,7 @@ def ensure_writable_dir(path: str, key: str = "out_dir") -> None:
 # --- --help -----------------------------------------------------------------------------------
 
 
-def field_comments(cls) -> dict[str, str]:
+def field_comments(cls: type) -> dict[str, str]:
     """Each field's documentation: its trailing `# comment`, or else the comment lines just above
     it (as in Python, a comment line describes what follows it). Fields a config inherits from a
     dataclass it shares with other scripts are documented where that base declares them."""
@@ -277,16 +287,18 @@ def field_comments(cls) -> dict[str, str]:
     return docs
 
 
-def _own_field_comments(cls) -> dict[str, str]:
+def _own_field_comments(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
     lines = source.splitlines()
     docs = {}
-    for node in ast.parse(source).body[0].body:
+    for node in cast(ast.ClassDef, ast.parse(source).body[0]).body:  # the class's source
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            trailing = re.search(r"#\s*(.*)$", lines[node.end_lineno - 1][node.end_col_offset :])
+            end = cast(int, node.end_lineno)  # set on every node ast.parse builds
+            trailing = re.search(r"#\s*(.*)$", lines[end - 1][node.end_col_offset :])
+            above: list[str]
             above, k = [], node.lineno - 2
             while k >= 0 and lines[k].strip().startswith("#"):
                 above.insert(0, lines[k].strip().lstrip("#").strip())
@@ -295,7 +307,9 @@ def _own_field_comments(cls) -> dict[str, str]:
     return docs
 
 
-def help_text(cls, prog: str | None = None, description: str | None = None) -> str:
+def help_text(
+    cls: type[DataclassInstance], prog: str | None = None, description: str | None = None
+) -> str:
     prog = prog or _program_name()
     description = description if description is not None else _main_description()
     types_ = _field_types(cls)
@@ -317,7 +331,7 @@ def help_text(cls, prog: str | None = None, description: str | None = None) -> s
     )
 
 
-def _flag_value(t) -> str:
+def _flag_value(t: Any) -> str:
     if _plain(t) is bool:
         return "{true,false}"
     return _type_name(t) if choices(t) else _type_name(t).upper()
@@ -339,7 +353,7 @@ def _main_description() -> str:
 # --- parsing ----------------------------------------------------------------------------------
 
 
-def load(cls, argv: list[str] | None = None):
+def load(cls: type[_C], argv: list[str] | None = None) -> _C:
     """Build a `cls` instance from defaults, `--config FILE` (TOML) and `--key=value` arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -373,12 +387,12 @@ def load(cls, argv: list[str] | None = None):
     check_values(cfg)
     if hasattr(cfg, "validate"):
         cfg.validate()  # the script's own checks; it may also fill in a default out_dir
-    if getattr(cfg, "out_dir", None):
-        ensure_writable_dir(cfg.out_dir)
+    if out_dir := getattr(cfg, "out_dir", None):
+        ensure_writable_dir(out_dir)
     return cfg
 
 
-def _read_toml(path: str) -> dict:
+def _read_toml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path, "rb") as f:
@@ -388,7 +402,7 @@ def _read_toml(path: str) -> dict:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
-def parse(cls, argv: list[str] | None = None):
+def parse(cls: type[_C], argv: list[str] | None = None) -> _C:
     """`load`, but --help prints and exits 0, and bad input exits with one line (exit code 2)."""
     try:
         return load(cls, argv)
@@ -400,18 +414,18 @@ def parse(cls, argv: list[str] | None = None):
         exit_with_error(e)
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
     """The settable fields and their values (derived fields left out)."""
     values = dataclasses.asdict(cfg)  # once: it deep-copies every field
     return {f.name: values[f.name] for f in settable_fields(type(cfg))}
 
 
-def describe(cfg) -> str:
+def describe(cfg: DataclassInstance) -> str:
     width = max(len(k) for k in to_dict(cfg))
     return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in to_dict(cfg).items())
 
 
-def save(cfg, out_dir: str, argv: list[str] | None = None) -> None:
+def save(cfg: DataclassInstance, out_dir: str, argv: list[str] | None = None) -> None:
     """Print the resolved config and write config.json + argv.txt (rank 0 only)."""
     if get_rank() != 0:
         return

@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 
 from dtl import exercise_regions, notes
 from dtl.registry import REPO_ROOT, Lesson, launched_package, load
@@ -92,7 +93,7 @@ def render_lessons_doc(text: str, lessons: list[Lesson]) -> str:
     return _between(text, TABLE_BEGIN, TABLE_END, lessons_table(lessons))
 
 
-def _rewrite(path: str, render, lessons: list[Lesson]) -> None:
+def _rewrite(path: str, render: Callable[[str, list[Lesson]], str], lessons: list[Lesson]) -> None:
     with open(path) as f:
         text = f.read()
     with open(path, "w") as f:

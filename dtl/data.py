@@ -21,7 +21,9 @@ import importlib.util
 import json
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, SupportsInt, cast
 
 import numpy as np
 import torch
@@ -61,7 +63,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[SupportsInt]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
@@ -89,7 +91,7 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[SupportsInt]) -> str:
         return self._enc.decode([int(i) for i in ids])
 
 
@@ -106,7 +108,7 @@ def gpt2_files_dir() -> str | None:
 
 
 @functools.cache  # building the GPT-2 BPE takes ~0.5 s: once per process
-def get_tokenizer(name: str = "auto"):
+def get_tokenizer(name: str = "auto") -> GPT2Tokenizer | ByteTokenizer:
     """'gpt2', 'byte', or 'auto' (GPT-2 when its files are installed, else bytes)."""
     if name not in ("auto", "gpt2", "byte"):
         raise DataError(f"unknown tokenizer '{name}'; choose auto, gpt2 or byte")
@@ -216,8 +218,8 @@ def load_corpus(
 ) -> Corpus:
     """Tokenize `source` once and cache the ids on disk; later calls read the cache."""
     tok = get_tokenizer(tokenizer)
-    key = hashlib.sha1(json.dumps([_source_id(source), tok.name, split, text_field]).encode())
-    key = key.hexdigest()[:12]
+    digest = hashlib.sha1(json.dumps([_source_id(source), tok.name, split, text_field]).encode())
+    key = digest.hexdigest()[:12]
     path = os.path.join(cache_dir(), f"tokens-{tok.name}-{key}.npy")
     if os.path.isfile(path):
         ids = np.load(path)
@@ -230,7 +232,7 @@ def load_corpus(
     return Corpus(ids[: len(ids) - n_val], ids[len(ids) - n_val :], tok.vocab_size, tok.name)
 
 
-def _source_id(source: str) -> list:
+def _source_id(source: str) -> list[str | int]:
     """What identifies the text: a local file or folder by its absolute path, size and mtime (an
     edited file is tokenized again), anything else by its name."""
     if os.path.exists(source):
@@ -256,7 +258,7 @@ def batch_offsets(
 
 
 def get_batch(
-    tokens: np.ndarray,
+    tokens: np.ndarray | torch.Tensor,
     seq_len: int,
     batch_size: int,
     *,
@@ -279,15 +281,17 @@ def get_batch(
     n_chunks = _n_chunks(seq_len, cp_size, cp_split)  # bad cp sizes fail before any work
     offsets = batch_offsets(len(tokens), seq_len, dp_size * batch_size, seed, step)
     mine = offsets[dp_rank * batch_size : (dp_rank + 1) * batch_size]
-    rows = np.stack([tokens[o : o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
-    rows = torch.from_numpy(rows)  # host: the caller moves the batch to its device
+    array = np.stack([tokens[o : o + seq_len + 1] for o in mine.tolist()]).astype(np.int64)
+    rows = torch.from_numpy(array)  # host: the caller moves the batch to its device
     x, y = rows[:, :-1], rows[:, 1:]
     if n_chunks == 1:
         return x, y
     return cp_shard(x, cp_rank, cp_size, cp_split), cp_shard(y, cp_rank, cp_size, cp_split)
 
 
-def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int, device=None) -> list:
+def split_micro_batches(
+    x: torch.Tensor, y: torch.Tensor, micro: int, device: torch.device | str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(rows, T) inputs and targets -> [(x, y), ...] of `micro` rows each, moved to `device`:
     a DP rank's share of a step, cut for gradient accumulation or a pipeline's micro-batches."""
     if len(x) % micro:
@@ -297,8 +301,10 @@ def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int, device=Non
     ]
 
 
-def dp_micro_batches(tokens, seq_len: int, rows: int, micro: int, *, step: int, seed: int,
-                     dp_rank: int, dp_size: int, device=None) -> list:  # fmt: skip
+def dp_micro_batches(tokens: np.ndarray | torch.Tensor, seq_len: int, rows: int, micro: int, *,
+                     step: int, seed: int, dp_rank: int, dp_size: int,
+                     device: torch.device | str | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """This DP rank's `rows` sequences of the step's global batch (get_batch), cut into
     micro-batches of `micro` rows on `device`: what a pipeline or an accumulating rank runs."""
     x, y = get_batch(
@@ -345,13 +351,15 @@ def _n_chunks(seq_len: int, cp_size: int, split: str) -> int:
     return n
 
 
-def cp_shard(t: torch.Tensor, cp_rank: int, cp_size: int, split: str = "contiguous", dim: int = 1):
+def cp_shard(
+    t: torch.Tensor, cp_rank: int, cp_size: int, split: str = "contiguous", dim: int = 1
+) -> torch.Tensor:
     """This rank's tokens of `t` along `dim` (the sequence): (.., T, ..) -> (.., T/cp, ..)."""
     chunks = t.chunk(_n_chunks(t.size(dim), cp_size, split), dim)
     return torch.cat([chunks[i] for i in cp_chunks(cp_rank, cp_size, split)], dim)
 
 
-def cp_unshard(shards: list[torch.Tensor], split: str = "contiguous", dim: int = 1):
+def cp_unshard(shards: list[torch.Tensor], split: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """The inverse of cp_shard: every rank's shard (in cp-rank order) -> the full sequence."""
     cp_size = len(shards)
     pieces: dict[int, torch.Tensor] = {}
@@ -362,7 +370,9 @@ def cp_unshard(shards: list[torch.Tensor], split: str = "contiguous", dim: int =
     return torch.cat([pieces[i] for i in sorted(pieces)], dim)
 
 
-def cp_positions(seq_len: int, cp_rank: int = 0, cp_size: int = 1, split: str = "contiguous"):
+def cp_positions(
+    seq_len: int, cp_rank: int = 0, cp_size: int = 1, split: str = "contiguous"
+) -> torch.Tensor:
     """(seq_len / cp_size,) int64 position ids of the tokens rank `cp_rank` holds."""
     return cp_shard(torch.arange(seq_len), cp_rank, cp_size, split, dim=0)  # host: as get_batch
 
@@ -393,7 +403,10 @@ def load_mnist(path: str | None = None) -> dict[str, torch.Tensor]:
     import zarr
 
     group = zarr.open_group(zarr.storage.ZipStore(zip_path, mode="r"), mode="r")
-    arrays = {k: np.asarray(group[k][:], dtype=np.uint8) for k in MNIST_SPLITS}
+    # every split is an array of the group (a zarr Group's items may be groups too)
+    arrays = {
+        k: np.asarray(cast("zarr.Array[Any]", group[k])[:], dtype=np.uint8) for k in MNIST_SPLITS
+    }
     return {k: torch.from_numpy(a) for k, a in arrays.items()}  # host: the loader moves batches
 
 

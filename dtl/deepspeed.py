@@ -30,7 +30,9 @@ import json
 import os
 import sys
 from functools import lru_cache
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dtl import dist as dtl_dist
@@ -78,7 +80,7 @@ def use_run_accelerator(device_type: str) -> None:
     os.environ["DS_ACCELERATOR"] = want  # also what DeepSpeed's own subprocesses inherit
 
 
-def import_deepspeed(device_type: str):
+def import_deepspeed(device_type: str) -> Any:  # the deepspeed module (untyped)
     """DeepSpeed, imported with the run's accelerator (`use_run_accelerator`) and with its
     zero.Init honouring the dtype it is given (`_honour_zero_init_dtype`). Every day that builds
     a DeepSpeed engine imports it through here."""
@@ -89,7 +91,7 @@ def import_deepspeed(device_type: str):
     return deepspeed
 
 
-def _honour_zero_init_dtype(init_cls) -> None:
+def _honour_zero_init_dtype(init_cls: Any) -> None:  # deepspeed.zero.Init
     """DeepSpeed 0.19.8's zero.Init._set_dtype reads `dtype or torch.float16 if fp16 else ...`,
     which Python groups as `(dtype or fp16) if fp16 else (bf16 ...)`: on an accelerator without
     fp16 (a CPU whose `torch.ops.mkldnn._is_mkldnn_fp16_supported()` is False, an AMD EPYC say)
@@ -103,13 +105,13 @@ def _honour_zero_init_dtype(init_cls) -> None:
     if "dtype or torch.float16 if" not in inspect.getsource(original):
         return
 
-    def _set_dtype(self, ds_config, dtype):
+    def _set_dtype(self: Any, ds_config: Any, dtype: torch.dtype | None) -> None:
         if dtype is not None:  # as DeepSpeed does where fp16 is supported (a GPU)
             self.dtype = dtype
         else:
             original(self, ds_config, dtype)
 
-    _set_dtype._dtl_honours_dtype = True
+    _set_dtype._dtl_honours_dtype = True  # type: ignore[attr-defined]  # a marker on a function
     init_cls._set_dtype = _set_dtype
 
 
@@ -127,27 +129,27 @@ def known_top_level_keys() -> frozenset[str]:
     records every lookup (it has no list of its own; no collective runs)."""
     from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, DeepSpeedConfig
 
-    seen: set[str] = set()
+    seen: set[Any] = set()  # the keys looked up (strings, through object-typed dunders)
 
-    class Keys(list):
-        def __contains__(self, k):
+    class Keys(list[str]):
+        def __contains__(self, k: object) -> bool:
             seen.add(k)
             return list.__contains__(self, k)
 
-    class Recorder(dict):
-        def __getitem__(self, k):
+    class Recorder(dict[str, Any]):
+        def __getitem__(self, k: str) -> Any:
             seen.add(k)
             return super().__getitem__(k)
 
-        def get(self, k, default=None):
+        def get(self, k: str, default: Any = None) -> Any:
             seen.add(k)
             return super().get(k, default)
 
-        def __contains__(self, k):
+        def __contains__(self, k: object) -> bool:
             seen.add(k)
             return super().__contains__(k)
 
-        def keys(self):
+        def keys(self) -> Keys:  # type: ignore[override]  # a recording list, not a view
             return Keys(super().keys())
 
     DeepSpeedConfig(Recorder(train_micro_batch_size_per_gpu=1))
@@ -155,7 +157,7 @@ def known_top_level_keys() -> frozenset[str]:
     return frozenset(seen - set(_REMOVED_TOP_LEVEL_CONFIG_KEYS))
 
 
-def check_sections(ds: dict) -> None:
+def check_sections(ds: dict[str, Any]) -> None:
     """Raise DsConfigError (one line) for a top-level key DeepSpeed does not read, a
     zero_optimization / bf16 / fp16 section its pydantic models reject, or an unknown optimizer
     key (day 23's explainer runs the same checks on its templates)."""
@@ -194,18 +196,19 @@ def check_sections(ds: dict) -> None:
             raise DsConfigError(f"unknown key(s) {unknown} in ds_config 'optimizer.params'")
 
 
-def read_ds_config(path: str, error: type[DsConfigError] = DsConfigError) -> dict:
+def read_ds_config(path: str, error: type[DsConfigError] = DsConfigError) -> dict[str, Any]:
     """A ds_config file's JSON, or `error` in one line: the file is missing, or not JSON."""
     if not os.path.isfile(path):
         raise error(f"ds_config file not found: {path}")
     try:
         with open(path) as f:
-            return json.load(f)
+            ds: dict[str, Any] = json.load(f)
+            return ds
     except json.JSONDecodeError as e:
         raise error(f"ds_config {path} is not valid JSON: {e}") from None
 
 
-def _resolve(ds: dict, path: tuple[str, ...], value, source: str) -> None:
+def _resolve(ds: dict[str, Any], path: tuple[str, ...], value: object, source: str) -> None:
     """Fill an "auto" (or missing) value from the run; a written value must equal the run's."""
     *parents, leaf = path
     node = ds
@@ -231,7 +234,7 @@ def load_ds_config(
     opt: OptimConfig,
     precision: str,
     device_type: str,
-) -> dict:
+) -> dict[str, Any]:
     """Read, check and complete a ds_config for a run on `device_type`; raises DsConfigError
     (one line). DeepSpeed's accelerator is set to `device_type` before DeepSpeed is imported."""
     ds = read_ds_config(path)

@@ -12,7 +12,9 @@ import gc
 import os
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -120,7 +122,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout or timeout_s()))
+        kwargs: dict[str, Any] = dict(
+            backend=backend, timeout=datetime.timedelta(seconds=timeout or timeout_s())
+        )
         if device.type == "cuda":
             # eager NCCL init: the communicator exists before the first op, so a lesson whose
             # first NCCL call is point-to-point (where some ranks may sit a round out) is safe
@@ -174,7 +178,7 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
 
 
-def run_device(group=None) -> torch.device:
+def run_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device a tensor must be on to enter a collective on `group` (default: the world):
     this rank's GPU under NCCL, the CPU under gloo (a gloo run on a GPU machine included).
     NCCL raises at once on a CPU tensor; gloo would take a tensor from anywhere, which is why
@@ -191,7 +195,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
+def all_reduce_scalar(
+    value: float, group: dist.ProcessGroup | None = None, average: bool = False
+) -> float:
     """Sum (or average) one Python number over `group`: a float64 tensor on the device the
     backend needs (NCCL only reduces CUDA tensors), for losses and timings in step logs."""
     t = torch.tensor([value], dtype=torch.float64, device=run_device(group))
@@ -199,7 +205,9 @@ def all_reduce_scalar(value: float, group=None, average: bool = False) -> float:
     return t.item() / (dist.get_world_size(group) if average else 1)
 
 
-def average_gradients(params, group=None) -> int:
+def average_gradients(
+    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> int:
     """Data parallelism after the fact: every gradient averaged over `group`, in one all-reduce
     per dtype (the gradients flattened into one buffer, as a DDP bucket is), for lessons whose
     backward is not a single call DDP could hook (a pipeline's micro-batches). Returns the bytes
@@ -221,29 +229,29 @@ def average_gradients(params, group=None) -> int:
     return sent
 
 
-def exit_with_error(error: Exception | str) -> None:
+def exit_with_error(error: Exception | str) -> NoReturn:
     """Bad user input: one line `error: ...` on stderr (rank 0), exit code 2 on every rank."""
     if get_rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
 
 
-def print0(*args, **kwargs) -> None:
+def print0(*args: Any, **kwargs: Any) -> None:
     """print() on global rank 0 only."""
     if get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
-def print_rank(*args) -> None:
+def print_rank(*args: object) -> None:
     """Every rank prints, prefixed by its rank; one write() per line so lines never interleave."""
     text = " ".join(str(a) for a in args)
     lines = "".join(f"[rank {get_rank()}] {line}\n" for line in text.splitlines() or [""])
     os.write(sys.stdout.fileno(), lines.encode())
 
 
-def world_table(info: DistInfo) -> list[tuple]:
+def world_table(info: DistInfo) -> list[tuple[int, int, str, str, str]]:
     """Gather (rank, local rank, host, device, backend) from every rank (all_gather_object)."""
     mine = (info.rank, info.local_rank, socket.gethostname(), str(info.device), info.backend)
-    rows: list = [None] * info.world_size
+    rows: list[Any] = [None] * info.world_size
     dist.all_gather_object(rows, mine)
     return rows

@@ -35,7 +35,9 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dtl import exercise_regions as er
 
@@ -58,18 +60,20 @@ def _saved_solution(ex: er.Exercise) -> list[str] | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        bodies: list[str] = json.load(f)
+        return bodies
 
 
-def _progress() -> dict:
+def _progress() -> dict[str, dict[str, Any]]:
     path = os.path.join(STATE, "progress.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        progress: dict[str, dict[str, Any]] = json.load(f)
+        return progress
 
 
-def _record(ex: er.Exercise, **fields) -> None:
+def _record(ex: er.Exercise, **fields: object) -> None:
     progress = _progress()
     progress.setdefault(ex.id, {}).update(fields, at=time.strftime("%Y-%m-%d %H:%M:%S"))
     with open(_state_path("progress.json"), "w") as f:
@@ -186,7 +190,9 @@ class GraderResult:
     seconds: float = 0.0  # the grader's test cases, summed (pytest's own timing)
 
 
-def run_graders(graders: list[str], env: dict | None = None, timeout_s: float = 600):
+def run_graders(
+    graders: list[str], env: dict[str, str] | None = None, timeout_s: float = 600
+) -> list[GraderResult]:
     """Run pytest on `graders` (node ids) and fold its cases into one result per grader."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "graders.xml")
@@ -309,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             ok, lines = grade(ex, args.impl)
             print("\n".join(lines))
             return 0 if ok else 1
-        action = {"start": start, "reset": reset, "solution": solution,
-                  "hint": lambda e: f"{e.id}: {e.hint}"}[args.command]  # fmt: skip
+        action: Callable[[er.Exercise], str] = {
+            "start": start, "reset": reset, "solution": solution,
+            "hint": lambda e: f"{e.id}: {e.hint}"}[args.command]  # fmt: skip
         print(action(ex))
         return 0
     except er.ExerciseError as e:

@@ -95,7 +95,7 @@ def honest_failure(result: ex_tool.GraderResult, stubbed: er.Exercise) -> bool:
     return not timed_out and (f"exercise {stubbed.id}" in text or "AssertionError" in text)
 
 
-def prove_one(exercises, ex: er.Exercise) -> tuple[bool, list[str]]:
+def prove_one(exercises: dict[str, er.Exercise], ex: er.Exercise) -> tuple[bool, list[str]]:
     """Stub `ex`, run its graders and the affected ones, put the code back; the verdict."""
     state = ex_tool.state(ex)
     others = affected(exercises, ex)

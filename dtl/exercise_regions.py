@@ -124,6 +124,7 @@ def _read(path: str) -> list[str]:
 def regions_in(path: str, lines: list[str] | None = None) -> dict[str, list[Region]]:
     """id -> its regions in one file (or in `lines`, that file's text at another time), in
     order; a begin without its end is an error."""
+    out: dict[str, list[Region]]
     lines, out, open_at = _read(path) if lines is None else lines, {}, None
     for i, line in enumerate(lines):
         if m := BEGIN.match(line):

@@ -16,6 +16,10 @@ import functools
 import importlib
 import os
 from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 IMPL_ENV = "DTL_EXERCISE_IMPL"
 
@@ -30,25 +34,26 @@ def impl_module(exercise_id: str) -> str | None:
     return None
 
 
-def reader_name(fn: Callable) -> str:
+def reader_name(fn: Callable[..., Any]) -> str:
     """The name the reader's module gives `fn`: its qualified name, dots as underscores."""
     return fn.__qualname__.replace(".", "_")
 
 
-def exercise(exercise_id: str) -> Callable[[Callable], Callable]:
-    def mark(fn: Callable) -> Callable:
+def exercise(exercise_id: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    def mark(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         module = impl_module(exercise_id)
         if module is None:
             return fn
 
         @functools.wraps(fn)
-        def reader_version(*args, **kwargs):
+        def reader_version(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             found = getattr(importlib.import_module(module), reader_name(fn), None)
             if found is None:
                 raise AttributeError(
                     f"exercise {exercise_id}: {module} has no {reader_name(fn)} (--impl)"
                 )
-            return found(*args, **kwargs)
+            result: _R = found(*args, **kwargs)
+            return result
 
         return reader_version
 

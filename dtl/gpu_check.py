@@ -138,7 +138,9 @@ def _missing(needs: list[str]) -> list[str]:
     return [m for m in needs if importlib.util.find_spec(m) is None]
 
 
-def run_plan(plan: list[Planned], budget_s: float, out_dir: str, n_gpus: int) -> list:
+def run_plan(
+    plan: list[Planned], budget_s: float, out_dir: str, n_gpus: int
+) -> list[tuple[Planned, registry.Result]]:
     """Run the plan in order inside the budget; returns (Planned, Result) pairs."""
     os.makedirs(out_dir, exist_ok=True)
     start, results = time.monotonic(), []
@@ -166,7 +168,7 @@ def run_plan(plan: list[Planned], budget_s: float, out_dir: str, n_gpus: int) ->
     return results
 
 
-def _skip_reason(p: Planned, left: float, n_gpus: int):
+def _skip_reason(p: Planned, left: float, n_gpus: int) -> registry.Result | None:
     if p.run.min_gpus > n_gpus:
         return registry.skipped(
             p.lesson, p.run, f"needs {p.run.min_gpus} GPU(s), this machine has {n_gpus}"
@@ -180,7 +182,7 @@ def _skip_reason(p: Planned, left: float, n_gpus: int):
     return None
 
 
-def summary(results: list, budget_s: float, seconds: float) -> str:
+def summary(results: list[tuple[Planned, registry.Result]], budget_s: float, seconds: float) -> str:
     rows = [
         f"# GPU check: {sum(r.status == 'PASS' for _, r in results)} passed, "
         f"{sum(r.status == 'FAIL' for _, r in results)} failed, "

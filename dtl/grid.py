@@ -8,9 +8,14 @@ groups along each axis and their combinations (dtl.dist starts the processes; th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Megatron's default rank order "tp-cp-dp-pp" (parallel_state's `order`, with expert parallelism
 # 1): TP innermost, so a TP group shares a node's fast links; PP outermost.
@@ -22,7 +27,7 @@ AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
 DEFAULT_COMBOS = (("dp", "cp"), ("tp", "pp"))
 
 
-def _key(axes) -> tuple[str, ...]:
+def _key(axes: Sequence[str]) -> tuple[str, ...]:
     """Axes in the grid's order (outer to inner), validated: ("tp", "dp") -> ("dp", "tp")."""
     unknown = [a for a in axes if a not in AXES]
     if unknown or not axes or len(set(axes)) != len(axes):
@@ -65,8 +70,8 @@ class ParallelGrid:
         world_size: int | None = None,
         rank: int | None = None,
         build_groups: bool | None = None,
-        combos=(),
-    ):
+        combos: Iterable[Sequence[str]] = (),
+    ) -> None:
         self.sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         for axis, size in self.sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -85,13 +90,13 @@ class ParallelGrid:
         self.world_size = world_size
         self.ranks = torch.arange(world_size).view(pp, dp, cp, tp)  # host: a rank table
         where = (self.ranks == self.rank).nonzero()[0].tolist()
-        self.coords = dict(zip(AXES, where))
-        self.combos = [(a,) for a in AXES]
+        self.coords: dict[str, int] = dict(zip(AXES, where))
+        self.combos: list[tuple[str, ...]] = [(a,) for a in AXES]
         for combo in (*DEFAULT_COMBOS, *combos):
             if _key(combo) not in self.combos:
                 self.combos.append(_key(combo))
-        self.groups: dict[tuple[str, ...], object] = {}
-        self.embedding_group = None
+        self.groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self.embedding_group: dist.ProcessGroup | None = None
         if build_groups if build_groups is not None else initialized:
             self._build_groups()
 
@@ -149,7 +154,7 @@ class ParallelGrid:
             if self.rank in ranks:
                 self.embedding_group = group
 
-    def group(self, *axes: str):
+    def group(self, *axes: str) -> dist.ProcessGroup:
         """The process group of this rank spanning `axes` (e.g. group("dp", "cp"))."""
         key = _key(axes)
         if key not in self.groups:
@@ -160,7 +165,7 @@ class ParallelGrid:
             )
         return self.groups[key]
 
-    def device_mesh(self, device_type: str | None = None):
+    def device_mesh(self, device_type: str | None = None) -> DeviceMesh:
         """The same grid as a torch DeviceMesh with dims ("pp", "dp", "cp", "tp").
 
         For DTensor, FSDP2 (fully_shard) and parallelize_module comparisons: mesh["tp"] holds
@@ -171,7 +176,21 @@ class ParallelGrid:
         device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
         return DeviceMesh(device_type, self.ranks, mesh_dim_names=AXES)
 
-    def __getattr__(self, name: str):
+    if TYPE_CHECKING:  # the names __getattr__ answers, for mypy
+        pp_rank: int
+        dp_rank: int
+        cp_rank: int
+        tp_rank: int
+        pp_size: int
+        dp_size: int
+        cp_size: int
+        tp_size: int
+        pp_group: dist.ProcessGroup
+        dp_group: dist.ProcessGroup
+        cp_group: dist.ProcessGroup
+        tp_group: dist.ProcessGroup
+
+    def __getattr__(self, name: str) -> int | dist.ProcessGroup:
         # grid.tp_rank, grid.dp_size, grid.pp_group ... read off the tables above
         axis, _, what = name.partition("_")
         if axis in AXES and what in ("rank", "size", "group"):

@@ -44,7 +44,7 @@ import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,7 +179,9 @@ def check_parallel_state(grid: ParallelGrid) -> dict[str, list[int]]:
     return theirs
 
 
-def model_parallel_config(grid: ParallelGrid, *, config_class: type | None = None, **overrides):
+def model_parallel_config(
+    grid: ParallelGrid, *, config_class: type | None = None, **overrides: Any
+) -> Any:  # a megatron config (untyped)
     """A megatron `ModelParallelConfig` (or `config_class`, e.g. `TransformerConfig`, whose extra
     required fields go in `overrides`) sized from the grid, with the settings a CPU run needs.
 
@@ -241,7 +243,7 @@ def shim_state() -> str:
 def check_shim_version() -> str:
     """Return megatron-core's version; raise unless it is the one the shim's patches were
     checked against (or DTL_MEGATRON_SHIM_ANY_VERSION=1)."""
-    version = _megatron("package_info").__version__
+    version: str = _megatron("package_info").__version__
     if version.split(".")[:2] == SHIM_WRITTEN_FOR.split("."):
         return version
     if os.environ.get(ANY_VERSION_ENV) == "1":
@@ -306,7 +308,7 @@ def optimizer_shim() -> Iterator[None]:
     check_shim_version()
     original = torch.Tensor.type
 
-    def cuda_type_name(self, *args, **kwargs):
+    def cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # str, or a cast
         name = original(self, *args, **kwargs)
         if args or kwargs or self.device.type != "cpu" or ".cuda." in name:
             return name  # a cast, a real device tensor, or already answered (nested modes)
@@ -349,7 +351,13 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Every torch call made while active: a CUDA `device` becomes "cpu"; `Tensor.cuda()` returns
     the tensor itself (it already lives on the CPU)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -369,7 +377,10 @@ def _cpu_rng_tracker_class() -> type:
     """
     rng = _megatron("tensor_parallel.random")
 
-    class CpuRNGStatesTracker(rng.CudaRNGStatesTracker):
+    # a base class imported by name at run time: Any to mypy, which cannot check it
+    class CpuRNGStatesTracker(rng.CudaRNGStatesTracker):  # type: ignore[misc,name-defined]
+        _current_state_name: str  # megatron's: set by its __init__ and by fork()
+
         def add(self, name: str, seed: int) -> None:
             """Register a named stream seeded with `seed` (megatron: one per TP rank)."""
             self._is_initialized = True

@@ -11,12 +11,17 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtl.dist import get_rank
 from dtl.precision import PRECISIONS
 from dtl.profile import StepTimes
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
 
 
 def peak_flops(device: torch.device | str | None = None, precision: str = "bf16") -> float | None:
@@ -55,7 +60,7 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     return {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def write_csv(rows: list[dict], path: str, fields: list[str] | None = None) -> None:
+def write_csv(rows: list[dict[str, Any]], path: str, fields: list[str] | None = None) -> None:
     """A table as CSV: one row per dict, the columns `fields` (default: the first row's keys;
     keys a row has beyond them are left out)."""
     import csv
@@ -78,7 +83,7 @@ def format_step(
     mfu_value: float | None = None,
     show_mfu: bool = False,
     unit: str = "tok",
-    **extra,
+    **extra: object,
 ) -> str:
     parts = [f"step {step}/{total}"]
     if loss is not None:
@@ -133,8 +138,8 @@ class StepLogger:
         self.peak = peak_flops_per_device
         self.n_devices = n_devices
         self.unit = unit  # what tokens_per_step counts: "tok" for LMs, "img" for MNIST
-        self.writer = None
-        self.bar = None
+        self.writer: SummaryWriter | None = None
+        self.bar: tqdm | None = None
         self.log_path = os.path.join(out_dir, "log.txt")
         if not self.enabled:
             return
@@ -153,13 +158,13 @@ class StepLogger:
         self,
         step: int,
         *,
-        loss=None,
-        lr=None,
-        grad_norm=None,
-        dt_s=None,
+        loss: float | None = None,
+        lr: float | None = None,
+        grad_norm: float | None = None,
+        dt_s: float | None = None,
         times: StepTimes | None = None,
-        print_line=True,
-        **extra,
+        print_line: bool = True,
+        **extra: object,
     ) -> str:
         """One step: the line (printed and in log.txt) and TensorBoard scalars. `times`, a
         dtl.profile.StepTimes, sets dt_s when it is not given, adds its breakdown to the line and

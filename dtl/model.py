@@ -43,9 +43,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn as nn
@@ -88,7 +88,7 @@ class GPTConfig:
     dropout: float = 0.0
     tie_weights: bool = True  # lm_head shares wte's weight, as in GPT-2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
 
@@ -120,10 +120,10 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 # a config field that names a preset: dtl.config checks it is one ("unknown model 'x'; one of ...")
-PresetName = Literal[tuple(PRESETS)]
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # built at run time
 
 
-def preset(name: str, **overrides) -> GPTConfig:
+def preset(name: str, **overrides: Any) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown GPT preset '{name}'; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
@@ -234,7 +234,8 @@ class CausalSelfAttention(nn.Module):
         else:
             y = self.attn_fn(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
-        return self.resid_dropout(self.c_proj(y))  # under TP: a partial sum, (B, T, C)
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))  # under TP: a partial sum, (B, T, C)
+        return out
 
 
 class MLP(nn.Module):
@@ -246,7 +247,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return cast(torch.Tensor, self.dropout(self.c_proj(self.gelu(self.c_fc(x)))))
 
 
 class Block(nn.Module):
@@ -260,12 +261,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _recomputing(self.recompute_all):  # keep x only; backward reruns the block first
-            return checkpoint(self._layer, x, use_reentrant=False)
+            return cast(torch.Tensor, checkpoint(self._layer, x, use_reentrant=False))
         return self._layer(x)
 
     def _layer(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return cast(torch.Tensor, x + self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
@@ -296,13 +297,13 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def set_attention(self, attn_fn: AttentionFn) -> None:
-        for block in self.blocks.values():
+        for block in cast("Iterable[Block]", self.blocks.values()):
             block.attn.attn_fn = attn_fn
 
     def set_recompute(self, mode: Recompute) -> None:
         """What each block keeps for backward: "none" everything it saves, "selective" all but
         the attention core's (recomputed in backward), "full" its input (the block reruns)."""
-        set_recompute(self.blocks.values(), mode)
+        set_recompute(cast("Iterable[Block]", self.blocks.values()), mode)
 
     # --- the three pieces a pipeline stage composes -----------------------------------------
     def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,11 +315,11 @@ class GPT(nn.Module):
             pos = torch.arange(T, device=idx.device)
         elif pos.size(-1) != T:
             raise ValueError(f"position ids cover {pos.size(-1)} tokens but the input has {T}")
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return cast(torch.Tensor, self.drop(self.wte(idx) + self.wpe(pos)))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, vocab) logits."""
-        return self.lm_head(self.ln_f(x))
+        return cast(torch.Tensor, self.lm_head(self.ln_f(x)))
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without wte takes and/or returns hidden states."""
@@ -329,7 +330,7 @@ class GPT(nn.Module):
         return self.head(x) if self.lm_head is not None else x
 
 
-def set_recompute(blocks, mode: Recompute) -> None:
+def set_recompute(blocks: Iterable[Block], mode: Recompute) -> None:
     """GPT.set_recompute for any blocks (a pipeline stage's, a strategy's own module list)."""
     if mode not in get_args(Recompute):
         raise ValueError(f"unknown recompute '{mode}'; one of {', '.join(get_args(Recompute))}")
@@ -363,7 +364,7 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def init_tensor(name: str, shape, seed: int, n_layer: int) -> torch.Tensor:
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layer: int) -> torch.Tensor:
     """The initial value of parameter `name` (GPT-2's init), from (seed, name) alone.
 
     Biases 0, LayerNorm weights 1, residual projections (`c_proj.weight`) N(0, 0.02/sqrt(2L)),
@@ -395,7 +396,7 @@ def init_parameters(
 
 
 def materialize(
-    module: nn.Module, seed: int, n_layer: int, prefix: str = "", device="cpu"
+    module: nn.Module, seed: int, n_layer: int, prefix: str = "", device: torch.device | str = "cpu"
 ) -> nn.Module:
     """Allocate a meta-device module on `device` and fill it as the one-process GPT would be.
 
@@ -404,7 +405,7 @@ def materialize(
     """
     module.to_empty(device=device)
     tied = isinstance(module, GPT) and module.cfg.tie_weights
-    if tied:
+    if tied and isinstance(module, GPT):  # isinstance again, for mypy
         module.tie_weights()
     init_parameters(module, seed, n_layer, prefix, tied=tied)
     return module

@@ -22,8 +22,11 @@ import ast
 import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 IGNORE_TAGS_ENV = "DTL_P2P_IGNORE_TAGS"
@@ -87,19 +90,19 @@ def factories_without_device(paths: list[Path] | None = None) -> list[str]:
 
 # --- 2. point-to-point matching in posting order -------------------------------------------------
 
-_ORIGINALS: dict[str, object] = {}
+_ORIGINALS: dict[str, Any] = {}
 
 
-def _untagged(fn):
+def _untagged(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)  # the same signature, for CommCounter, which binds the arguments
-    def untagged(*args, **kwargs):
+    def untagged(*args: Any, **kwargs: Any) -> Any:
         if len(args) > 3:  # (tensor, peer, group, tag, ...) given by position
             args = (*args[:3], 0, *args[4:])
         if "tag" in kwargs:
             kwargs["tag"] = 0
         return fn(*args, **kwargs)
 
-    untagged.dtl_untagged = fn
+    untagged.dtl_untagged = fn  # type: ignore[attr-defined]  # a marker attribute on a function
     return untagged
 
 
@@ -116,14 +119,31 @@ def ignore_p2p_tags() -> None:
     real = {dist.isend: _ORIGINALS["isend"], dist.irecv: _ORIGINALS["irecv"]}
     base = _ORIGINALS["P2POp"]
 
-    class P2POp(base):
-        def __new__(cls, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+    # mypy cannot check a base class held in a variable (the class in force at this call)
+    class P2POp(base):  # type: ignore[misc,valid-type]
+        def __new__(
+            cls,
+            op: Callable[..., Any],
+            tensor: torch.Tensor,
+            peer: int | None = None,
+            group: dist.ProcessGroup | None = None,
+            tag: int = 0,
+            group_peer: int | None = None,
+        ) -> Any:
             return base.__new__(cls, real.get(op, op), tensor, peer, group, 0, group_peer)
 
-        def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        def __init__(
+            self,
+            op: Callable[..., Any],
+            tensor: torch.Tensor,
+            peer: int | None = None,
+            group: dist.ProcessGroup | None = None,
+            tag: int = 0,
+            group_peer: int | None = None,
+        ) -> None:
             super().__init__(real.get(op, op), tensor, peer, group, 0, group_peer)
 
-    dist.P2POp = P2POp
+    dist.P2POp = P2POp  # type: ignore[misc]  # replaced until restore_p2p_tags()
 
 
 def restore_p2p_tags() -> None:

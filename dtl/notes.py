@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 CORE_WORDS = 1500  # the core path's prose, at most
@@ -76,7 +77,7 @@ def sections(note: str) -> list[Section]:
     return out
 
 
-def _lines(note: str):
+def _lines(note: str) -> Iterator[tuple[str, bool]]:
     """(line, inside a fenced block?) for every line; the fences themselves count as inside."""
     inside = False
     for line in note.splitlines():

@@ -16,8 +16,9 @@ the same update; SGD's update shows it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -36,39 +37,45 @@ class OptimConfig:
     def cls(self) -> type[torch.optim.Optimizer]:
         return torch.optim.SGD if self.name == "sgd" else torch.optim.AdamW
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> dict[str, Any]:
         if self.name == "sgd":
             return dict(lr=self.lr, momentum=0.9)
         if self.decay == "matrices":  # the decay lives in the groups
             return dict(lr=self.lr, eps=self.eps, betas=self.betas)
         return dict(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay, betas=self.betas)
 
-    def groups(self, params) -> list:
+    def groups(
+        self, params: nn.Module | Iterable[torch.Tensor]
+    ) -> list[torch.Tensor] | list[dict[str, Any]]:
         """What the optimizer is given: the parameters themselves, or the two decay groups."""
         if self.decay == "matrices":
             return optimizer_groups(params, self.weight_decay)
         return list(params.parameters() if isinstance(params, nn.Module) else params)
 
     def make(
-        self, params, *, fused: bool | None = None, foreach: bool | None = None
+        self,
+        params: nn.Module | Iterable[torch.Tensor],
+        *,
+        fused: bool | None = None,
+        foreach: bool | None = None,
     ) -> torch.optim.Optimizer:
         """The optimizer over a module or a list of parameters. `fused` (one kernel for every
         tensor, where the device has it) and `foreach` (torch's multi-tensor path, or its
         per-tensor loop) are passed on only when given: None leaves torch's default. (torch reads
         an explicit fused=False with foreach=None as the per-tensor loop, so False is dropped.)"""
-        extra = {}
+        extra: dict[str, Any] = {}
         if fused:
             extra["fused"] = True
         if foreach is not None:
             extra["foreach"] = foreach
         return self.cls(self.groups(params), **self.kwargs(), **extra)
 
-    def deepspeed_params(self) -> dict:
+    def deepspeed_params(self) -> dict[str, Any]:
         """The ds_config's optimizer.params for AdamW (decay groups come with the parameters)."""
         wd = self.weight_decay
         return {"lr": self.lr, "eps": self.eps, "weight_decay": wd, "betas": list(self.betas)}
 
-    def megatron_kwargs(self) -> dict:
+    def megatron_kwargs(self) -> dict[str, float]:
         """megatron-core's OptimizerConfig fields (it decays matrices only, its own rule)."""
         return dict(
             lr=self.lr, weight_decay=self.weight_decay, adam_eps=self.eps,
@@ -76,7 +83,9 @@ class OptimConfig:
         )  # fmt: skip
 
 
-def optimizer_groups(params, weight_decay: float) -> list[dict]:
+def optimizer_groups(
+    params: nn.Module | Iterable[torch.Tensor], weight_decay: float
+) -> list[dict[str, Any]]:
     """AdamW parameter groups for a module (or a list of parameters): weight decay on matrices
     (and embeddings), none on biases and LayerNorm weights, the rule of Megatron
     (`len(param.shape) == 1 or name.endswith(".bias")` gets wd_mult 0) and nanoGPT (`p.dim() >= 2`

@@ -83,14 +83,22 @@ class Precision:
         """The dense peak of the first table name found in `device_name`; None if none is."""
         return next((v for k, v in self.peaks.items() if k in device_name), None)
 
-    def autocast(self, device_type: str) -> AbstractContextManager:
+    def autocast(self, device_type: str) -> AbstractContextManager[None]:
         """Autocast to this precision on `device_type`; a no-op for fp32."""
         if self.is_fp32:
             return nullcontext()
         return torch.autocast(device_type, dtype=self.dtype)
 
 
-def _row(name, dtype, param, grad, optim, loss_scaling, peaks) -> Precision:
+def _row(
+    name: str,
+    dtype: torch.dtype,
+    param: int,
+    grad: int,
+    optim: int,
+    loss_scaling: bool,
+    peaks: Mapping[str, float | None],
+) -> Precision:
     return Precision(name, dtype, param, grad, optim, loss_scaling, MappingProxyType(peaks))
 
 
@@ -101,7 +109,7 @@ PRECISIONS: Mapping[str, Precision] = MappingProxyType({
 })  # fmt: skip
 
 # The config field's type: `precision: PrecisionName = "fp32"` offers every row above.
-PrecisionName = Literal[tuple(PRECISIONS)]
+PrecisionName = Literal[tuple(PRECISIONS)]  # type: ignore[valid-type]  # built at run time
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:

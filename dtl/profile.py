@@ -47,8 +47,10 @@ import re
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator, contextmanager
 from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Self
 
 import torch
 
@@ -68,10 +70,10 @@ class Timer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._host: dict[str, float] = defaultdict(float)
-        self._events: dict[str, list] = defaultdict(list)
+        self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
 
     @contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Iterator[None]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -129,7 +131,7 @@ class StepTimes:
     @classmethod
     def median(cls, steps: list[StepTimes]) -> StepTimes:
         """Field by field median over several steps (a field missing in any step stays None)."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(cls):
             values = [getattr(t, f.name) for t in steps]
             out[f.name] = None if None in values else statistics.median(values)
@@ -149,7 +151,7 @@ def overlap_fraction(comm_span_ms: float, blocked_ms: float) -> float:
 
 
 @contextmanager
-def quiet_native_stderr():
+def quiet_native_stderr() -> Iterator[None]:
     """Silence what C++ writes to stderr (fd 2) inside the block: torch.profiler's start and
     stop each print a `USDT: ... profiler_start/stop` line from libkineto on every rank, which
     lands in the middle of a lesson's step log. Python's own sys.stderr is left alone."""
@@ -172,10 +174,11 @@ def quiet_native_stderr():
 
 STEP, FORWARD, BACKWARD, OPTIMIZER = "step", "forward", "backward", "optimizer.step"
 CAPTURE = "capture"  # day 27: the one step handed to Nsight Systems (cudaProfilerStart/Stop)
-_STEP_WATCHERS: list = []  # fn(entering: bool), called around every `step` range (watch_steps)
+# fn(entering: bool), called around every `step` range (watch_steps)
+_STEP_WATCHERS: list[Callable[[bool], object]] = []
 
 
-def watch_steps(fn):
+def watch_steps(fn: Callable[[bool], object]) -> Callable[[], None]:
     """Call fn(True) as each `step` range opens (before its own range starts) and fn(False) as
     it closes (after its range ends): day 27 starts and stops Nsight Systems there, so the
     capture is exactly the lesson's step. Returns the function that stops watching."""
@@ -208,12 +211,13 @@ class range(ContextDecorator):  # shadows the builtin here, on purpose: read dtl
 
     def __init__(self, name: str):
         self.name = name
-        self._open: list = []
+        self._open: list[torch.profiler.record_function | None] = []
 
-    def _recreate_cm(self):  # ContextDecorator: one range per decorated call (threads, recursion)
+    def _recreate_cm(self) -> Self:
+        # ContextDecorator: one range per decorated call (threads, recursion)
         return type(self)(self.name)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         if self.name == STEP:
             for fn in list(_STEP_WATCHERS):
                 fn(True)
@@ -226,7 +230,7 @@ class range(ContextDecorator):  # shadows the builtin here, on purpose: read dtl
         self._open.append(record)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Literal[False]:
         record = self._open.pop()
         if nvtx_enabled():
             torch.cuda.nvtx.range_pop()
@@ -310,7 +314,9 @@ DEVICE_CATEGORIES = (KERNEL_CATEGORY, "gpu_user_annotation", "gpu_memcpy", "gpu_
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime")
 
 
-def gpu_side(path: str) -> tuple[list[tuple[float, float, str, float | None]], set]:
+def gpu_side(
+    path: str,
+) -> tuple[list[tuple[float, float, str, float | None]], set[tuple[str, float]]]:
     """A chrome trace's GPU side, on the clock of parse_trace (ms, 0 = the trace's first
     complete event): every kernel as (start, end, name, launch), launch = when the host called
     cudaLaunchKernel for it (None when the trace has no such call); and (name, start) of every
@@ -319,7 +325,7 @@ def gpu_side(path: str) -> tuple[list[tuple[float, float, str, float | None]], s
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     if not events:
         return [], set()
-    t0 = min(e["ts"] for e in events)  # parse_trace's origin: one clock for both
+    t0: float = min(e["ts"] for e in events)  # parse_trace's origin: one clock for both
 
     def ms(ts: float) -> float:
         return (ts - t0) / 1e3
@@ -341,7 +347,7 @@ def comm_spans(spans: list[Span], phase: str = "work", kind: str | None = None) 
     return [s for s in spans if s.phase == phase and (kind is None or s.kind == kind)]
 
 
-def merge(intervals) -> list[tuple[float, float]]:
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Union of (start, end) intervals as sorted, disjoint intervals."""
     merged: list[list[float]] = []
     for s, e in sorted(intervals):
@@ -352,12 +358,14 @@ def merge(intervals) -> list[tuple[float, float]]:
     return [(s, e) for s, e in merged]
 
 
-def busy_ms(intervals) -> float:
+def busy_ms(intervals: Iterable[tuple[float, float]]) -> float:
     """Time covered by at least one interval."""
     return sum(e - s for s, e in merge(intervals))
 
 
-def hidden_fraction(comm, compute) -> float:
+def hidden_fraction(
+    comm: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]
+) -> float:
     """Share of the communication busy time that falls inside compute intervals."""
     comm, compute = merge(comm), merge(compute)
     total = sum(e - s for s, e in comm)

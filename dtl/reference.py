@@ -13,11 +13,17 @@ identical?) and `flat_params` are the smaller checks the days' tests and scripts
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dtl.model import GPT, GPTConfig
 
 
 def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -32,7 +38,7 @@ def reference_train(
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
     steps: int,
-    loss: Callable = default_loss,
+    loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
     *,
     clip_grad: float | None = None,
     grad_norms: list[float] | None = None,
@@ -79,15 +85,15 @@ def _count_noise(model: torch.nn.Module, counts: dict[str, torch.Tensor], floor:
 
 
 def one_process_gpt(
-    model_cfg,
-    tokens: torch.Tensor,
+    model_cfg: GPTConfig,
+    tokens: np.ndarray | torch.Tensor,
     *,
     seq_len: int,
     rows: int,
     steps: int,
     seed: int = 0,
     lr: float = 1e-3,
-    make_optimizer: Callable | None = None,
+    make_optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     weight_decay: float | None = None,
     eps: float = 1e-8,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -95,7 +101,7 @@ def one_process_gpt(
     grad_norms: list[float] | None = None,
     lr_at: Callable[[int], float] | None = None,
     noise_steps: dict[str, torch.Tensor] | None = None,
-):
+) -> tuple[list[float], GPT]:
     """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
     the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
     the same rows the ranks split among themselves). The optimizer: `make_optimizer(params)` if
@@ -112,10 +118,11 @@ def one_process_gpt(
     if make_optimizer:
         opt = make_optimizer(gpt.parameters())
     else:  # torch's AdamW default (0.01 on everything), or the given decay on the matrices
+        decay: Literal["all", "matrices"]
         wd, decay = (0.01, "all") if weight_decay is None else (weight_decay, "matrices")
         opt = OptimConfig(lr=lr, eps=eps, weight_decay=wd, betas=betas, decay=decay).make(gpt)
 
-    def batch(step):
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(tokens, seq_len, rows, seed=seed, step=step)
 
     losses = reference_train(
@@ -130,7 +137,9 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def params_gap(a, b) -> float:
+def params_gap(
+    a: torch.nn.Module | dict[str, torch.Tensor], b: torch.nn.Module | dict[str, torch.Tensor]
+) -> float:
     """max |a - b| over all parameters of two modules (or state dicts) with the same names."""
     sa = a if isinstance(a, dict) else dict(a.named_parameters())
     sb = b if isinstance(b, dict) else dict(b.named_parameters())
@@ -230,7 +239,8 @@ class Verdict:
     def line(self) -> str:
         if self.skipped:
             return self.skipped
-        short = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731  1e-5, as notes print it
+        # 1e-5, as notes print it
+        short: Callable[[float], str] = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731
         norm_tol = self.rtol if self.norm_rtol is None else self.norm_rtol
         norms = (
             "" if self.norm_rel is None
@@ -253,7 +263,7 @@ class Verdict:
         return self.line
 
 
-def _max_rel(a, b) -> float:
+def _max_rel(a: Sequence[float], b: Sequence[float]) -> float:
     return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=0.0)
 
 
@@ -268,12 +278,12 @@ SERIES = ("losses", "reference losses", "grad norms", "reference norms")
 
 
 def reference_verdict(
-    losses,
-    params,
-    reference,
+    losses: Sequence[float],
+    params: dict[str, torch.Tensor],
+    reference: Callable[[], Reference | tuple[Any, ...]],
     *,
     steps: int,
-    device,
+    device: torch.device | str,
     what: str = "one process",
     rtol: float = LOSS_RTOL,
     atol: float = PARAMS_ATOL,
@@ -303,7 +313,11 @@ def reference_verdict(
         series = (losses, ref.losses, *((grad_norms, ref.grad_norms) if judged else (None, None)))
         loss_rel = _max_rel(losses, ref.losses)
         gaps = _params_gaps({k: v.cpu() for k, v in params.items()}, ref, atol)
-        norm_rel = _max_rel(grad_norms, ref.grad_norms) if judged else -1.0
+        norm_rel = (  # `judged`, spelled out for mypy: both lists are there
+            _max_rel(grad_norms, ref.grad_norms)
+            if grad_norms and ref.grad_norms is not None
+            else -1.0
+        )
         row = [loss_rel, *gaps, norm_rel, *(len(v) if v is not None else -1 for v in series)]
         numbers = torch.tensor(row, dtype=torch.float64, device=device)
     dist.broadcast(numbers, src=0)  # (10,) float64 from rank 0 -> every rank
@@ -319,7 +333,9 @@ def reference_verdict(
     )  # fmt: skip
 
 
-def _params_gaps(params: dict, ref: Reference, atol: float) -> tuple[float, float, float, float]:
+def _params_gaps(
+    params: dict[str, torch.Tensor], ref: Reference, atol: float
+) -> tuple[float, float, float, float]:
     """(the largest |difference| beyond each element's allowance, then, for the elements with an
     allowance that differ by more than atol: their count, largest difference, largest
     allowance). Without an allowance this is params_gap and three zeros."""
@@ -340,8 +356,10 @@ def _params_gaps(params: dict, ref: Reference, atol: float) -> tuple[float, floa
     return max(beyond, 0.0), float(noisy), noisy_gap, noisy_allowance
 
 
-def dense_verdict(losses, params, model_cfg, tokens, *, seq_len: int, rows: int, steps: int,
-                  device, check: bool = True, **gpt_kwargs) -> Verdict:  # fmt: skip
+def dense_verdict(losses: Sequence[float], params: dict[str, torch.Tensor],
+                  model_cfg: GPTConfig, tokens: np.ndarray | torch.Tensor, *, seq_len: int,
+                  rows: int, steps: int, device: torch.device | str, check: bool = True,
+                  **gpt_kwargs: Any) -> Verdict:  # fmt: skip
     """A model-parallel run (TP, SP, CP) against the dense model: rank 0 trains
     one_process_gpt(model_cfg, tokens, ...) (AdamW at its default betas) on the global batch and
     compares its losses and parameters (named_parameters(), a tied weight once) with the run's,
@@ -364,14 +382,16 @@ def dense_verdict(losses, params, model_cfg, tokens, *, seq_len: int, rows: int,
     )
 
 
-def replica_gap(model: torch.nn.Module, group=None) -> float:
+def replica_gap(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> float:
     """max |p - p on the group's first rank| over all parameters and ranks: 0.0 when identical.
 
     Every rank of `group` must call it (a broadcast and an all_reduce).
     """
     flat = flat_params(model)
     ref = flat.clone()
-    dist.broadcast(ref, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    # the world: a ProcessGroup once the default group exists
+    first = dist.get_global_rank(group or cast(dist.ProcessGroup, dist.group.WORLD), 0)
+    dist.broadcast(ref, src=first, group=group)
     gap = (flat - ref).abs().max()
     dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
     return gap.item()

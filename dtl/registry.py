@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from dtl import extras as dtl_extras
@@ -67,7 +68,7 @@ class Run:
     def patterns(self, gpu: bool) -> list[str]:
         return self.gpu_expect if gpu and self.gpu_expect is not None else self.expect
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"lessons.toml run '{self.name}': kind must be one of {KINDS}")
         if not isinstance(self.min_gpus, int) or self.min_gpus < 1:
@@ -96,7 +97,7 @@ class Lesson:
     proves: str
     runs: list[Run] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.idea) > IDEA_CHARS:
             raise ValueError(f"lessons.toml day {self.day}: idea is over {IDEA_CHARS} characters")
         for run in self.runs:
@@ -163,7 +164,7 @@ def skipped(lesson: Lesson, run: Run, reason: str) -> Result:
     return Result(lesson, run, 0, 0.0, f"{SKIP_PREFIX} {reason}\n", [])
 
 
-def use_venv_tools(env) -> None:
+def use_venv_tools(env: MutableMapping[str, str]) -> None:
     """Point `env` (a dict, or os.environ) at this venv's tools and DeepSpeed's prebuilt ops.
 
     Its bin first on PATH: the venv's ninja (1.13) built DeepSpeed's ops at install
@@ -254,7 +255,7 @@ def _launch(line: str, limit: float) -> tuple[str, int]:
         return _stop(proc), 124
 
 
-def _stop(proc: subprocess.Popen) -> str:
+def _stop(proc: subprocess.Popen[str]) -> str:
     """End a launch line that ran too long, workers included, and return what it printed.
 
     torchrun starts its workers in sessions of their own: killing torchrun alone would orphan

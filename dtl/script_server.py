@@ -30,6 +30,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what every script imports first; the day's own modules are left to each fork
@@ -46,14 +47,14 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _child(case: dict, out_path: str, err_path: str, group_path: str) -> None:
+def _child(case: dict[str, Any], out_path: str, err_path: str, group_path: str) -> None:
     """In the fork: become `python -m module argv` and exit with its code (never returns)."""
     code = 1
     try:
         # exit handlers are the script's own: none of the server's (a weakref.finalize of the
         # server's would delete its temporary folder from here)
         atexit._clear()
-        for finalizer in list(weakref.finalize._registry):
+        for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]  # private
             finalizer.atexit = False
         os.setsid()  # its own session: a timeout stops it and what it started
         os.chdir(case["cwd"])
@@ -115,7 +116,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def run_case(case: dict) -> dict:
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Fork, run the case, wait, and return what it printed (the server's loop body)."""
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, name) for name in ("out", "err", "group")]
@@ -146,10 +147,10 @@ class ScriptRun:
     seconds: float
 
 
-_server: subprocess.Popen | None = None
+_server: subprocess.Popen[str] | None = None
 
 
-def _server_process() -> subprocess.Popen:
+def _server_process() -> subprocess.Popen[str]:
     global _server
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen(
@@ -173,7 +174,7 @@ def _stop_server() -> None:
 def run_script(
     module: str,
     *args: str,
-    env: dict | None = None,
+    env: dict[str, str] | None = None,
     cwd: str = REPO_ROOT,
     timeout_s: float = 120,
     merge: bool = False,
@@ -186,6 +187,7 @@ def run_script(
         cwd=cwd, timeout_s=timeout_s, merge=merge,
     )  # fmt: skip
     server = _server_process()
+    assert server.stdin is not None and server.stdout is not None  # both are pipes
     try:
         server.stdin.write(json.dumps(case) + "\n")
         server.stdin.flush()
@@ -205,7 +207,7 @@ atexit.register(_stop_server)
 def run_fresh(
     module: str,
     *args: str,
-    env: dict | None = None,
+    env: dict[str, str] | None = None,
     cwd: str = REPO_ROOT,
     timeout_s: float = 120,
     merge: bool = False,
@@ -228,7 +230,7 @@ def run_fresh(
     return ScriptRun(code, out, err, False, time.monotonic() - start)
 
 
-def _text(data) -> str:
+def _text(data: bytes | str | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 

@@ -30,11 +30,17 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dtl.grid import ParallelGrid
 
 CANNOT_SEE = (
     "values (loss, norms), time, allocator fragmentation and caching, NCCL buffers, "
@@ -77,19 +83,19 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _device_mesh():
+def _device_mesh() -> type[DeviceMesh]:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh
 
 
-def _grid():
+def _grid() -> type[ParallelGrid]:
     from dtl.grid import ParallelGrid
 
     return ParallelGrid
 
 
-def _methods(cls) -> list[str]:
+def _methods(cls: type) -> list[str]:
     """The functions defined on cls itself (plain and static methods; classmethods and
     properties are not callable in vars() and are left as they are)."""
     return [n for n, v in vars(cls).items() if callable(v) or isinstance(v, staticmethod)]
@@ -98,14 +104,14 @@ def _methods(cls) -> list[str]:
 # Code that keeps a small tensor of rank numbers and reads them back (a device mesh's rank list,
 # the grid's rank table, then .tolist()): under fake tensors the numbers are not there, so it runs
 # with real ones. What it computes (which ranks, which groups) is bookkeeping, not model state.
-_READS_NUMBERS_BACK = (
+_READS_NUMBERS_BACK: tuple[tuple[Callable[[], type], Callable[[type], Iterable[str]]], ...] = (
     (_device_mesh, lambda cls: ("__init__", "from_group")),
     (_grid, _methods),
 )
 
 
 @contextmanager
-def _with_real_tensors(owner, name: str) -> Iterator[None]:
+def _with_real_tensors(owner: type, name: str) -> Iterator[None]:
     """owner.name runs with fake tensors off while the context lasts; restored on exit."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -113,7 +119,7 @@ def _with_real_tensors(owner, name: str) -> Iterator[None]:
     fn = original.__func__ if isinstance(original, staticmethod) else original
 
     @functools.wraps(fn)
-    def real(*args, **kwargs):
+    def real(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
             return fn(*args, **kwargs)
 
@@ -125,7 +131,7 @@ def _with_real_tensors(owner, name: str) -> Iterator[None]:
 
 
 @contextmanager
-def deepspeed_under_fake_tensors(ds: dict) -> Iterator[dict]:
+def deepspeed_under_fake_tensors(ds: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """DeepSpeed's ZeRO-3 (with or without CPU offload) as one rank of a fake_world: yields the
     ds_config to pass to deepspeed.initialize, and undoes its patches on exit. Six places in
     DeepSpeed 0.19 read values or data pointers, each replaced while the context lasts:

@@ -21,7 +21,7 @@ KINDS = ("params", "grads", "optim")
 
 
 @dataclass(frozen=True)
-class StateBytes(Mapping):
+class StateBytes(Mapping[str, int]):
     """A rank's bytes of parameters, gradients and optimizer state (masters + Adam's moments).
     Also a read-only mapping kind -> bytes, for tables and sums."""
 
@@ -36,7 +36,8 @@ class StateBytes(Mapping):
     def __getitem__(self, kind: str) -> int:
         if kind not in KINDS:
             raise KeyError(kind)
-        return getattr(self, kind)
+        value: int = getattr(self, kind)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(f.name for f in fields(self))
@@ -61,7 +62,8 @@ def storage_key(t: torch.Tensor) -> int:
     """One number per block of memory: equal for a tensor and its views, different for two
     tensors that do not share memory. The storage object's identity, not its data pointer, so it
     works under fake tensors too (dtl.simulate), where there is no data to point to."""
-    return t.untyped_storage()._cdata
+    key: int = t.untyped_storage()._cdata
+    return key
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, *, counters: bool = True) -> int:

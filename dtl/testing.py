@@ -24,7 +24,9 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing import get_all_start_methods
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +36,17 @@ from dtl import extras as dtl_extras
 from dtl.dist import cleanup
 from dtl.script_server import run_script
 
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
 
-def script_error(module: str, *args: str, env: dict | None = None, timeout_s: float = 120) -> str:
+    import pytest
+
+
+def script_error(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> str:
     """Run `python -m module args` (no torchrun, no process group) expecting bad input to stop
     it: asserts exit code 2 and exactly one line on stderr, and returns that line. The run is a
     fork of dtl.script_server's interpreter (torch imported once, not per check)."""
@@ -47,7 +58,7 @@ def script_error(module: str, *args: str, env: dict | None = None, timeout_s: fl
     return lines[0]
 
 
-def needs_extras(*extras: str):
+def needs_extras(*extras: str) -> pytest.MarkDecorator:
     """skipif for a test (or a whole file: `pytestmark = needs_extras("deepspeed")`) that needs
     optional Python extras. `make test` sets DTL_REQUIRE_EXTRAS=1, and tests/conftest.py then
     turns such a skip into a failure: the suite that CI runs has them installed, so a skip there
@@ -62,7 +73,17 @@ class RankFailed(AssertionError):
     """A rank raised: the message carries its traceback."""
 
 
-def _worker(rank, world_size, store_path, fn, args, kwargs, results, timeout_s, environ):
+def _worker(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    fn: Callable[..., object],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: Queue[tuple[int, str, Any]],
+    timeout_s: float,
+    environ: dict[str, str],
+) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's from its start
     os.environ.update(environ)
     os.environ.update(
@@ -106,7 +127,7 @@ def _preload() -> list[str]:
     return names
 
 
-def _context():
+def _context() -> SpawnContext | ForkServerContext:
     """The multiprocessing context of the ranks: "forkserver" preloaded with PRELOAD (a fork of
     a clean server process that has started no thread, unlike forking pytest itself), or
     "spawn" where there is no fork server or DTL_SPAWN=1 asks for it."""
@@ -117,7 +138,9 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kwargs) -> list:
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 120, **kwargs: Any
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
     ctx = _context()
     results = ctx.Queue()
@@ -146,7 +169,12 @@ def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = 120, **kw
     return [outputs[r] for r in range(world_size)]
 
 
-def _collect(procs, results, world_size, timeout_s) -> dict:
+def _collect(
+    procs: Sequence[BaseProcess],
+    results: Queue[tuple[int, str, Any]],
+    world_size: int,
+    timeout_s: float,
+) -> dict[int, object]:
     outputs: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s + 30
     while len(outputs) < world_size:
@@ -172,7 +200,7 @@ def _collect(procs, results, world_size, timeout_s) -> dict:
     return outputs
 
 
-def _reap(procs, grace_s: float) -> None:
+def _reap(procs: Sequence[BaseProcess], grace_s: float) -> None:
     for p in procs:
         p.join(timeout=grace_s)
     for p in procs:

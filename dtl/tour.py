@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if counts["FAIL"] else 0
 
 
-def _run_one(lesson, run, gpu: bool, n_gpus: int, smoke: bool, log_dir: str) -> registry.Result:
+def _run_one(
+    lesson: registry.Lesson, run: registry.Run, gpu: bool, n_gpus: int, smoke: bool, log_dir: str
+) -> registry.Result:
     """One launch line (its output kept in log_dir), or a SKIP when its GPU line needs more GPUs
     than this machine has (nothing runs, and the last real run's log stays)."""
     extra = run.smoke_args if smoke and run.kind == "benchmark" else ""

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platform", action="append", help="the target's wheel platform tags")
     parser.add_argument("--have", help="a pip freeze of the target: leave out what it has")
     parser.add_argument(
-        "--extras", default=",".join(EXTRAS), help="the project's extras (dev: pytest, ruff)"
+        "--extras", default=",".join(EXTRAS), help="the project's extras (dev: pytest, ruff, mypy)"
     )
     parser.add_argument("--list", action="store_true", help="print the set and stop")
     args = parser.parse_args(argv)
