@@ -1,0 +1,31 @@
+"""The exit soak's control: no course code at all. A torch MLP trained on 2 gloo ranks, its
+gradients averaged by a loop of dist.all_reduce after backward, AdamW; it ends with a barrier and
+destroy_process_group(), no gc.collect(), like sync_exit_worker.py. On torch 2.13 (CPU) about 1
+exit in 100 aborts ("terminate called without an active exception") here too, so an abort of
+sync_exit_worker.py at that rate is not the course's sync:
+
+    for i in $(seq 100); do torchrun --standalone --nproc_per_node=2 \
+        tests/gloo_exit_control_worker.py 2>&1 | grep -c "terminate called"; done | sort | uniq -c
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)])
+    for t in model.parameters():
+        dist.broadcast(t.data, src=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        for p in model.parameters():
+            p.grad.div_(dist.get_world_size())
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    dist.destroy_process_group()
