@@ -5,8 +5,10 @@ a barrier's timings or a bucket layout built on the host and broadcast), a recei
 only tags made right, a direct call of a collective torch 2.11 does not have.
 """
 
+import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,59 @@ def test_a_course_call_of_a_hidden_name_names_its_file(tmp_path, monkeypatch):
     with pytest.raises(AttributeError, match=r"day99_x/m.py:2 calls torch.distributed"):
         namespace["call"](hidden)
     assert hidden(1) == "real"  # called from a test, not from the course: forwarded
+
+
+# a day's module, as day15_collectives/collectives.py calls the two collectives: through compat
+PROBE = """import torch
+import torch.distributed as dist
+
+from dtl import compat
+
+
+def reduce_then_gather(x):
+    shard = torch.empty(x.numel() // dist.get_world_size())
+    compat.reduce_scatter_single(shard, x)
+    full = torch.empty(x.numel())
+    compat.all_gather_single(full, shard)
+    return shard, full
+
+
+def gather_directly(x):
+    out = torch.empty(x.numel() * dist.get_world_size())
+    getattr(dist, "all_gather_single")(out, x)
+"""
+
+
+def _through_a_day_module(root: str):
+    compat._REPO = root  # this rank only: tmp_path stands for the repository, day99_probe/ in it
+    sys.path.insert(0, root)
+    probe = importlib.import_module("day99_probe.collect")
+    x = torch.arange(4.0) + 10 * dist.get_rank()
+    shard, full = probe.reduce_then_gather(x)
+    try:
+        probe.gather_directly(x)
+        direct = None
+    except AttributeError as err:
+        direct = str(err)
+    return shard.tolist(), full.tolist(), direct
+
+
+def test_a_day_module_calling_through_compat_runs_as_on_torch_2_11(tmp_path):
+    # the guard sees the caller above compat: compat itself must take the old names, since a
+    # day's call that reaches a hidden name through compat is refused as a direct one is
+    (tmp_path / "day99_probe").mkdir()
+    (tmp_path / "day99_probe" / "__init__.py").write_text("")
+    (tmp_path / "day99_probe" / "collect.py").write_text(PROBE)
+    results = run_distributed(_through_a_day_module, str(tmp_path), world_size=2)
+    total = [10.0, 12.0, 14.0, 16.0]  # one process: (0, 1, 2, 3) + (10, 11, 12, 13)
+    for rank, (shard, full, direct) in enumerate(results):
+        assert shard == total[2 * rank : 2 * rank + 2], rank  # slice r of the sum
+        assert full == total, rank
+        # not vacuous: this module's own direct call of the new name is refused
+        assert direct is not None, rank
+        if hasattr(dist.distributed_c10d, "all_gather_single"):  # torch >= 2.13: the guard's
+            line = next(i for i, ln in enumerate(PROBE.splitlines(), 1) if "getattr(" in ln)
+            assert f"day99_probe/collect.py:{line} calls torch.distributed" in direct, direct
 
 
 def test_the_course_calls_no_hidden_name_directly():

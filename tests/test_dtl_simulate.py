@@ -74,6 +74,28 @@ def test_fake_world_refuses_a_rank_outside_it_and_leaves_no_group_behind():
     assert not dist.is_initialized()
 
 
+def test_storage_key_tells_fake_tensors_apart_and_a_view_from_its_base_not():
+    """dtl.state.storage_key under fake tensors, where every data pointer is 0: two tensors of
+    their own get two keys, a view (slice, transpose, reshape, detach) its base's key."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from dtl.state import storage_key
+
+    with fake_world(2, rank=0):
+        layer = torch.nn.Linear(8, 8)
+        a, b = torch.empty(4, 8), torch.empty(4, 8)  # the same shape, dtype and device
+        tensors = [layer.weight, layer.bias, a, b]
+        assert all(isinstance(t, FakeTensor) for t in tensors)  # the case under test
+        keys = [storage_key(t) for t in tensors]
+        assert len(set(keys)) == len(tensors), keys
+        for base, view in [
+            (a, a[1:]), (a, a.t()), (a, a.view(-1)), (b, b[:, 2:5]),
+            (layer.weight, layer.weight.detach()), (layer.weight, layer.weight.T),
+        ]:  # fmt: skip
+            assert storage_key(view) == storage_key(base), view.shape
+        assert storage_key(a[1:]) != storage_key(b[1:])
+
+
 # --- TP and PP: day 22's stack, simulated and real -------------------------------------------
 
 STACK_LAYOUTS = {2: [Layout(tp=2), Layout(pp=2)], 4: [Layout(tp=2, pp=2), Layout(tp=2, dp=2)]}
