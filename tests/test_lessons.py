@@ -215,8 +215,9 @@ def test_every_shipped_config_file_loads_into_the_script_that_names_it(tmp_path,
     monkeypatch.setenv("DTL_DEVICE_MEMORY_GB", "80")  # the GPUs the gpu.toml files are sized for
     absent: set[str] = set()
     for _path, module, args, world, needs in uses:
-        if extras.missing(needs):
-            absent.update(extras.missing(needs))
+        missing_here = extras.missing(needs)
+        if missing_here:
+            absent.update(missing_here)
             continue
         monkeypatch.setenv("WORLD_SIZE", str(world))
         config = importlib.import_module(module).Config
