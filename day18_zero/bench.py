@@ -28,7 +28,7 @@ from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import write_csv
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import PRECISIONS, PrecisionError, PrecisionName
 
 # pair name -> (A, B): (impl, stage) of the two trainers compared
 PAIRS = {
@@ -50,6 +50,7 @@ class Config:
     out_dir: str = "outputs/day18_zero/bench"  # bench.csv
     # derived by validate(): the pairs as a list, and the zero2 pair's checked ds_config
     pair_list: list = field(default_factory=list, init=False)
+    device_type: str = field(default="", init=False)
     ds: dict | None = field(default=None, init=False)
 
     def validate(self) -> None:
@@ -58,14 +59,18 @@ class Config:
         bad = [p for p in self.pair_list if p not in PAIRS]
         if bad or not self.pair_list:
             raise err(f"unknown pair(s) {bad}; choose from {', '.join(PAIRS)}")
-        if PRECISIONS[self.precision].loss_scaling:
-            raise err(f"precision {self.precision} needs a loss scaler the hand engine lacks; "
-                      "bench fp32 or bf16")  # fmt: skip
+        try:  # the precision runs in a pair whose two engines both declare it
+            self.device_type = planned_device_type()
+            runs = [pair_supports(p, self.precision, self.device_type) for p in self.pair_list]
+        except (DsConfigError, PrecisionError) as e:
+            raise err(str(e)) from None
+        if not any(runs):
+            raise err(f"no pair here trains in {self.precision}: {', '.join(self.pair_list)}")
         if self.steps <= self.warmup:
             raise err(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         if "zero2" in self.pair_list:
             try:
-                self.ds = self.ds_config(2, planned_device_type())
+                self.ds = self.ds_config(2, self.device_type)
             except DsConfigError as e:
                 raise err(str(e)) from None
 
@@ -83,15 +88,26 @@ class Config:
         )
 
 
+def pair_supports(pair: str, name: str, device_type: str) -> bool:
+    """Whether both engines of `pair` train in `name` on `device_type`; PrecisionError (one
+    line) for a precision one of them refuses outright, which no pair can bench."""
+    supports = [engines.trainer_class(impl, stage).support for impl, stage in PAIRS[pair]]
+    if not any(name in s.devices for s in supports):
+        supports[0].require(name, device_type)  # raises, naming what the engine trains in
+    return all(device_type in s.devices.get(name, ()) for s in supports)
+
+
 def pair_precision(cfg: Config, pair: str) -> str:
-    return cfg.precision if pair == "zero2" else "fp32"
+    """Both sides of a pair train in one precision: the one asked where both engines declare
+    it, fp32 (which every engine trains in) where one does not (FSDP2 here has no master)."""
+    return cfg.precision if pair_supports(pair, cfg.precision, cfg.device_type) else "fp32"
 
 
 def make_trainer(cfg: Config, pair: str, impl: str, stage: int, device) -> engines.Trainer:
     gpt = GPT(preset(cfg.model), seed=0).to(device)
     precision = PRECISIONS[pair_precision(cfg, pair)]  # both sides of a pair in one precision
-    if not precision.is_fp32 and impl == "hand":
-        gpt = gpt.to(precision.dtype)
+    if engines.trainer_class(impl, stage).model_in_storage_dtype:
+        gpt = gpt.to(precision.storage)
     return engines.build(
         impl,
         stage,

@@ -13,7 +13,7 @@ import os
 from contextlib import nullcontext
 
 from day18_zero.trainer import Trainer
-from dtl.deepspeed import import_deepspeed
+from dtl.deepspeed import DEEPSPEED, import_deepspeed
 from dtl.state import StateBytes, nbytes, optimizer_state_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +27,7 @@ class DeepSpeedZero(Trainer):
     """DeepSpeed's engine (`deepspeed.initialize` on the existing process group)."""
 
     impl = "deepspeed"
+    support = DEEPSPEED  # its bf16 and fp16 sections cast the model; fp32 goes in
 
     def formula_stage(self):
         # DeepSpeed's stage 1 runs stage 2's code: its gradients, too, live only as partitions

@@ -22,11 +22,27 @@ from dataclasses import replace
 import torch.distributed as dist
 import torch.nn as nn
 
+from day18_zero.ds_engine import DeepSpeedZero
 from day18_zero.trainer import Trainer
 from dtl.optim import OptimConfig
+from dtl.precision import ANY_DEVICE, declare
 from dtl.state import StateBytes, live_state_bytes, nbytes
 
 IMPLS = ("hand", "torch", "deepspeed")
+
+# The precisions each engine trains in. The hand ZeRO stages keep fp32 masters of their slices and
+# have no loss scaler; DDP, ZeroRedundancyOptimizer and plain FSDP2 step the parameters in the
+# dtype they hold, so they train fp32 here. DeepSpeed's declaration is the kit's (dtl.deepspeed).
+HAND_ZERO = declare(
+    "hand ZeRO (stages 1-3)",
+    {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE},
+    why="fp16 needs a loss scaler, which the hand engine lacks; use impl=deepspeed on a GPU",
+)
+NO_MASTER = declare(
+    "day 17's DDP, torch DDP, ZeroRedundancyOptimizer, FSDP2",
+    {"fp32": ANY_DEVICE},
+    why="they keep no fp32 master copy; use impl=hand stages 1-3 or impl=deepspeed",
+)
 
 
 # --- by hand --------------------------------------------------------------------------------------
@@ -34,6 +50,8 @@ IMPLS = ("hand", "torch", "deepspeed")
 
 class HandZero(Trainer):
     impl = "hand"
+    support = HAND_ZERO
+    model_in_storage_dtype = True  # ZeroModel keeps fp32 masters of its slices
 
     def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
         from day18_zero.zero import ZeroModel
@@ -65,6 +83,7 @@ class HandDDP(Trainer):
     """Stage 0 by hand: day 17's bucketed all-reduce, then a full AdamW on every rank."""
 
     impl = "hand"
+    support = NO_MASTER
     label = "hand DDP (day 17 BucketDDP)"
     formula_note = "day 17's buckets hold a second copy of the gradients (+4 B/param)"
 
@@ -99,6 +118,7 @@ class TorchDDP(Trainer):
     """Stage 0: torch DDP; stage 1: DDP + torch's ZeroRedundancyOptimizer."""
 
     impl = "torch"
+    support = NO_MASTER
 
     def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -152,6 +172,7 @@ class TorchFSDP2(Trainer):
     but the parameters are sharded again between steps)."""
 
     impl = "torch"
+    support = NO_MASTER
 
     def __init__(self, gpt, stage, group, opt, no_sync, bucket_cap_mb=25.0, prefetch=True):
         from torch.distributed.device_mesh import DeviceMesh
@@ -209,6 +230,19 @@ class TorchFSDP2(Trainer):
         )
 
 
+# impl -> stage -> the trainer that runs it
+KINDS: dict[str, dict[int, type[Trainer]]] = {
+    "hand": {0: HandDDP, 1: HandZero, 2: HandZero, 3: HandZero},
+    "torch": {0: TorchDDP, 1: TorchDDP, 2: TorchFSDP2, 3: TorchFSDP2},
+    "deepspeed": dict.fromkeys((0, 1, 2, 3), DeepSpeedZero),
+}
+
+
+def trainer_class(impl: str, stage: int) -> type[Trainer]:
+    """The class that trains (impl, stage): what it supports is asked before any is built."""
+    return KINDS[impl][stage]
+
+
 def build(
     impl: str,
     stage: int,
@@ -223,12 +257,6 @@ def build(
 ) -> Trainer:
     """The trainer for (impl, stage); arguments were validated by the caller's config."""
     if impl == "deepspeed":
-        from day18_zero.ds_engine import DeepSpeedZero
-
         return DeepSpeedZero(gpt, stage, group, opt, no_sync, ds_config=ds_config)
-    kinds = {
-        "hand": {0: HandDDP, 1: HandZero, 2: HandZero, 3: HandZero},
-        "torch": {0: TorchDDP, 1: TorchDDP, 2: TorchFSDP2, 3: TorchFSDP2},
-    }
-    cls = kinds[impl][stage]
+    cls = trainer_class(impl, stage)
     return cls(gpt, stage, group, opt, no_sync, bucket_cap_mb=bucket_cap_mb, prefetch=prefetch)

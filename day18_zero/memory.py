@@ -82,7 +82,7 @@ def measure_all(cfg: Config, info) -> dict[tuple, tuple[dict, int]]:
             for prec in ("fp32", "bf16"):
                 for stage in (1, 2, 3) if n > 1 else (0, 1, 2, 3):
                     key = (prec, stage, n)
-                    out[key] = measure(cfg, stage, PRECISIONS[prec].dtype, group, info.device)
+                    out[key] = measure(cfg, stage, PRECISIONS[prec].storage, group, info.device)
         dist.barrier()
     for prec in ("fp32", "bf16"):  # stage 0: a replica, the same for every N (rank 0 has it)
         for n in measured_sizes(info.world_size)[1:] if info.rank == 0 else ():

@@ -31,7 +31,7 @@ from dtl.comm import CommCounter
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, num_params
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import ANY_DEVICE, PRECISIONS, PrecisionError, PrecisionName, declare
 from dtl.simulate import CANNOT_SEE, fake_world
 from dtl.state import StateBytes
 
@@ -61,9 +61,19 @@ class Config:
         unknown = [e for e in self.engines.split(",") if e not in ENGINES]
         if unknown:
             raise err(f"unknown engine(s) {unknown}; {', '.join(ENGINES)}")
-        if PRECISIONS[self.precision].loss_scaling:
-            raise err(f"precision {self.precision} needs a loss scaler the hand engine lacks")
+        try:  # on fake tensors: no device runs, the host's rule applies
+            SIMULATED.require(self.precision, "cpu")
+        except PrecisionError as e:
+            raise err(str(e)) from None
 
+
+# What the simulation holds state in: the hand stages' fp32 masters, and FSDP2's parameters,
+# gradients and Adam state in the training dtype (no master; day 18's train refuses to train so)
+SIMULATED = declare(
+    "day 18's simulated ZeRO (hand stages 1-3, FSDP2)",
+    {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE},
+    why="fp16 needs a loss scaler, which the hand engine lacks",
+)
 
 # engine name -> (engines.build's impl, stage); "fsdp2" is impl "torch" at stages 2 and 3
 ENGINES = {
@@ -77,7 +87,7 @@ def simulate(
 ) -> dict:
     """Rank 0 of `n` running `impl` ZeRO `stage`: its state before the second step's update, the
     Ψ it padded to, and the ring bytes it sent in that step."""
-    dtype = PRECISIONS[precision].dtype
+    dtype = PRECISIONS[precision].storage
     with fake_world(n):
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # fake parameters cannot be cast in place: make them so
@@ -87,10 +97,10 @@ def simulate(
             torch.set_default_dtype(default)
         trainer = engines.build(impl, stage, gpt, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, model.vocab_size, (1, seq_len + 1))  # host: fake, no device runs
-        return two_steps(trainer, [(x[:, :-1], x[:, 1:])])
+        return two_steps(trainer, [(x[:, :-1], x[:, 1:])], precision)
 
 
-def two_steps(trainer: engines.Trainer, batch) -> dict:
+def two_steps(trainer: engines.Trainer, batch, precision: str) -> dict:
     """Two optimizer steps on `batch`, the second counted (the optimizer state exists from the
     first on): the state held before its update, the Ψ the buckets padded to, and the ring
     bytes sent. What simulate() reads at scale, and the tests read from a real gloo run."""
@@ -102,14 +112,9 @@ def two_steps(trainer: engines.Trainer, batch) -> dict:
         held=held,
         padded=trainer.padded_numel(),
         sent=sum(comm.ring_bytes.values()),
-        precision=trainer.state_precision(PRECISIONS[_precision_of(trainer)]),
+        precision=trainer.state_precision(PRECISIONS[precision]),
         formula_stage=trainer.formula_stage(),
     )
-
-
-def _precision_of(trainer: engines.Trainer) -> str:
-    dtype = next(trainer.gpt.parameters()).dtype
-    return next(name for name, p in PRECISIONS.items() if p.dtype == dtype)
 
 
 def row(name: str, engine: str, n: int, precision: str, seq_len: int) -> dict:
@@ -121,7 +126,7 @@ def row(name: str, engine: str, n: int, precision: str, seq_len: int) -> dict:
     want = formulas.model_state_bytes(
         psi, n, sim["formula_stage"], sim["precision"], padded=sim["padded"]
     )
-    elem = PRECISIONS[precision].dtype.itemsize
+    elem = PRECISIONS[precision].storage.itemsize
     return dict(
         model=name, engine=engine, N=n, psi=psi,
         simulated=sum(sim["held"].values()), formula=want.total,

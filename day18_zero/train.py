@@ -32,7 +32,6 @@ import torch
 
 from day18_zero import engines, formulas
 from day18_zero.ds_engine import default_ds_config_path
-from day18_zero.zero import STAGES as HAND_ZERO_STAGES
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
@@ -41,7 +40,7 @@ from dtl.deepspeed import DsConfigError, load_ds_config, planned_device_type
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import PRECISIONS, PrecisionError, PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -81,24 +80,12 @@ class Config:
             self.device_type = planned_device_type()  # the device init() will give this run
         except DsConfigError as e:
             raise err(str(e)) from None
-        p = PRECISIONS[self.precision]
-        if p.loss_scaling and self.device_type != "cuda":
-            raise err(
-                f"precision {p.name} needs a GPU (DeepSpeed refuses fp16 on a CPU, and this run's "
-                "device is the CPU); use bf16"
+        try:  # the engine's own declaration (dtl.precision.declare), on this run's device
+            engines.trainer_class(self.impl, self.stage).support.require(
+                self.precision, self.device_type
             )
-        if p.loss_scaling and self.impl != "deepspeed":
-            raise err(
-                f"precision {p.name} needs a loss scaler: impl=deepspeed (its fp16 section) has "
-                "one, the hand engine does not; use bf16"
-            )
-        if not p.is_fp32 and (
-            self.impl == "torch" or (self.impl == "hand" and self.stage not in HAND_ZERO_STAGES)
-        ):
-            raise err(
-                f"precision {p.name} runs with impl=hand stages 1-3 (fp32 master copies) or "
-                "impl=deepspeed; DDP, ZeroRedundancyOptimizer and plain FSDP2 have no master"
-            )
+        except PrecisionError as e:
+            raise err(str(e)) from None
         if self.seq_len > preset(self.model).block_size:
             raise err(f"seq_len {self.seq_len} exceeds {self.model}'s block_size")
         if self.ds_config and self.impl != "deepspeed":
@@ -144,9 +131,8 @@ def micro_batches(tokens, cfg: Config, step: int, rank: int, world: int, device)
 
 def build_trainer(cfg: Config, info) -> engines.Trainer:
     gpt = GPT(preset(cfg.model), seed=cfg.seed).to(info.device)
-    precision = PRECISIONS[cfg.precision]
-    if not precision.is_fp32 and cfg.impl == "hand":
-        gpt = gpt.to(precision.dtype)  # ZeroModel keeps fp32 masters of its slices
+    if engines.trainer_class(cfg.impl, cfg.stage).model_in_storage_dtype:
+        gpt = gpt.to(PRECISIONS[cfg.precision].storage)  # the hand engines: bf16 parameters
     return engines.build(
         cfg.impl,
         cfg.stage,
@@ -250,7 +236,7 @@ def report(cfg: Config, info, result: dict) -> bool:
     _print_per_rank_totals(sum(got.values()))
     _print_live_and_device_memory(t, info, want.total)
     comm = result["comm"]
-    elem = PRECISIONS[cfg.precision].dtype.itemsize
+    elem = PRECISIONS[cfg.precision].storage.itemsize
     pred = formulas.comm_bytes_per_rank(t.padded_numel(), n, cfg.stage, elem)
     if cfg.stage == 3 and cfg.grad_accum > 1:
         pred *= (2 * cfg.grad_accum + 1) / 3  # gathered twice per micro-step, reduced once

@@ -13,7 +13,7 @@ import torch.nn as nn
 from dtl import profile as dtl_profile
 from dtl.model import loss_fn
 from dtl.optim import OptimConfig
-from dtl.precision import Precision
+from dtl.precision import Precision, Support
 from dtl.state import StateBytes
 
 
@@ -22,6 +22,10 @@ class Trainer:
 
     impl = ""
     label = ""
+    support: Support  # the precisions it trains in (dtl.precision.declare), asked by the config
+    # the caller casts the model to the precision's storage dtype first (else fp32 goes in, and
+    # the engine casts it itself, as DeepSpeed's bf16 and fp16 sections do)
+    model_in_storage_dtype = False
     # which row of the paper's table this implementation's memory follows, and why not if not
     formula_note = ""
 

@@ -119,7 +119,7 @@ def activation_bytes(
     """The activations one GPU holds at its peak (the module docstring's count; day 28's fit.py
     and day 22's plan.py both predict with it). An upper bound per rank with pp > 1: the layers'
     share peaks on the first stage, the logits on the last."""
-    per_element = PRECISIONS[precision].dtype.itemsize / 2  # the 34 counts 2-byte activations
+    per_element = PRECISIONS[precision].activation / 2  # the 34 counts 2-byte activations
     layers = cfg.n_layer * 34 * seq_len * micro * cfg.n_embd * per_element / tp
     return layers + 8 * micro * seq_len * cfg.vocab_size / tp
 

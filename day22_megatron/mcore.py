@@ -20,7 +20,7 @@ from day22_megatron.megatron_gpt import build_model_chunks, load_dense
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, Precision, at_least_fp32
+from dtl.precision import ANY_DEVICE, GPU_ONLY, PRECISIONS, Precision, at_least_fp32, declare
 from dtl.state import StateBytes, nbytes, optimizer_state_bytes
 
 
@@ -59,6 +59,15 @@ def make_forward_step(T: int, device):
     return forward_step
 
 
+# The precisions megatron-core trains in here: fp32 (the CPU run, checked against one process) and
+# bf16 parameters with fp32 main parameters in its optimizer, on GPUs
+MEGATRON = declare(
+    "megatron-core",
+    {"fp32": ANY_DEVICE, "bf16": GPU_ONLY},
+    why="fp16 needs megatron's loss scaler, which is not wired here",
+)
+
+
 def build(
     gpt_cfg: GPTConfig,
     grid: ParallelGrid,
@@ -87,9 +96,8 @@ def build(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if precision.loss_scaling:
-        raise ValueError(f"precision {precision.name} needs megatron's loss scaler: not wired here")
-    dtype, bf16 = precision.dtype, precision.dtype == torch.bfloat16
+    MEGATRON.require(precision.name, device.type)  # PrecisionError, one line
+    dtype, bf16 = precision.storage, precision.storage == torch.bfloat16  # megatron's bf16 flag
     torch.manual_seed(seed)
     mtp.model_parallel_cuda_manual_seed(seed)  # megatron's per-TP-rank RNG streams
     chunks = build_model_chunks(

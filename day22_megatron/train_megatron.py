@@ -50,7 +50,7 @@ from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName
 from dtl.optim import OptimConfig
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import PRECISIONS, PrecisionError, PrecisionName
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 
@@ -133,12 +133,10 @@ class Config:
             on_gpu = dtl_dist.planned_backend() == "nccl"
         except dtl_dist.BackendError as e:
             raise err(str(e)) from None
-        if self.precision != "fp32" and not on_gpu:
-            raise err(f"--precision={self.precision} is for GPUs here: this run's device is the "
-                      "CPU (gloo); the CPU run checks fp32 against one process")  # fmt: skip
-        if PRECISIONS[self.precision].loss_scaling:
-            raise err(f"--precision={self.precision} needs megatron's loss scaler, which this "
-                      "course does not wire; use bf16")  # fmt: skip
+        try:  # megatron-core's declaration (mcore.MEGATRON), on this run's device
+            mcore.MEGATRON.require(self.precision, "cuda" if on_gpu else "cpu")
+        except PrecisionError as e:
+            raise err(str(e)) from None
         extras.require("train_megatron", "megatron")  # after the checks that need no library
         name = lay.name(self.sequence_parallel)
         self.out_dir = self.out_dir or f"outputs/day22_megatron/megatron-{name}"

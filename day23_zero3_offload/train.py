@@ -37,6 +37,7 @@ from dtl import extras
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import (
     DsConfigError,
+    apply_precision,
     import_deepspeed,
     planned_device_type,
     use_run_accelerator,
@@ -44,7 +45,7 @@ from dtl.deepspeed import (
 from dtl.metrics import StepLogger
 from dtl.model import GPT, PresetName, preset
 from dtl.optim import optimizer_groups
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import PrecisionName
 from dtl.reference import ADAM_NORM_RTOL, Verdict, one_process_gpt, reference_verdict
 
 MB = 1e6
@@ -68,6 +69,7 @@ class Config:
     out_dir: str = ""  # empty: outputs/day23_zero3_offload/<template>
     # derived by validate(): why this line cannot run here (NVMe without libaio), "" if it can
     skip_reason: str = field(default="", init=False)
+    device_type: str = field(default="cpu", init=False)  # derived by validate(): the run's device
 
     def model_config(self):
         return preset(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
@@ -91,12 +93,9 @@ class Config:
         world = dtl_dist.launch_world_size()
         self.skip_reason = ""
         try:
-            device_type = planned_device_type()
-            if PRECISIONS[self.precision].loss_scaling and device_type != "cuda":
-                raise err(f"precision {self.precision} needs a GPU (DeepSpeed refuses fp16 on a "
-                          "CPU, and this run's device is the CPU); use bf16")  # fmt: skip
+            self.device_type = planned_device_type()
             # DeepSpeed's accelerator = the run's device, before checks.check imports DeepSpeed
-            use_run_accelerator(device_type)
+            use_run_accelerator(self.device_type)
             ds = self.load_ds_config()  # the file first: a wrong path is named without DeepSpeed
             extras.require("day23_zero3_offload.train", "deepspeed")  # check() imports it
             checks.check(ds, world)
@@ -112,14 +111,15 @@ class Config:
                 raise err(f"--resume: no DeepSpeed checkpoint in {self.ckpt_dir} (no 'latest')")
 
     def load_ds_config(self) -> dict:
-        """The ds_config as this run uses it: --nvme_path and --precision applied on a copy."""
+        """The ds_config as this run uses it on its device: --nvme_path applied on a copy,
+        and --precision by the kit's rule for every ds_config (dtl.deepspeed.apply_precision:
+        DeepSpeed's section for the row, which the file may write only in agreement)."""
         ds = copy.deepcopy(checks.read(self.ds_path))
         zero = ds.setdefault("zero_optimization", {})
         for section in ("offload_param", "offload_optimizer"):
             if self.nvme_path and (zero.get(section) or {}).get("device") == "nvme":
                 zero[section]["nvme_path"] = self.nvme_path
-        if self.precision != "fp32":  # DeepSpeed's section of the same name as the precision
-            ds[self.precision] = {"enabled": True}
+        apply_precision(ds, self.precision, self.device_type)
         return ds
 
 

@@ -37,7 +37,7 @@ from dtl import profile as dtl_profile
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.metrics import peak_flops
 from dtl.model import GPT, PresetName, loss_fn, preset
-from dtl.precision import PRECISIONS, Precision
+from dtl.precision import ANY_DEVICE, PRECISIONS, Precision, PrecisionError, declare
 from dtl.profile import parse_trace
 from dtl.registry import child_env
 
@@ -70,6 +70,15 @@ def missing_ranges(name: str, trace_dir: str, ranks=(0, 1)) -> list[str]:
     return [n for n in RANGES[name] if n not in names]
 
 
+# The precisions the timed step runs in: torch.autocast to the row's dtype around an fp32 model
+# (fp16 too: a few timed steps need no loss scaler)
+TIMED_STEP = declare(
+    "day 27's timed step",
+    {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE, "fp16": ANY_DEVICE},
+    why="it times torch.autocast steps; no conversion of the linears is wired",
+)
+
+
 @dataclass
 class Config:
     part: Literal["mfu", "traces"] = "mfu"  # mfu | traces
@@ -89,6 +98,11 @@ class Config:
         for run in self.runs.split(","):
             if run not in RUNS:
                 raise err(f"unknown run '{run}'; one of {', '.join(RUNS)}")
+        if self.precision != "auto":
+            try:
+                TIMED_STEP.require(self.precision, run_device().type)
+            except PrecisionError as e:
+                raise err(str(e)) from None
 
 
 # --- part mfu ---------------------------------------------------------------------------------
@@ -139,7 +153,7 @@ def run_device() -> torch.device:
 def part_mfu(cfg: Config) -> str:
     device = run_device()
     precision = _precision(cfg, device)
-    dtype = precision.dtype
+    dtype = precision.matmul_dtype
     gpt2 = preset("gpt2-124m")
     print("FLOPs per token, GPT-2 124M at T = 1024 (ratio to the PaLM/nanoGPT convention):")
     for name, value, ratio in mfu.table(gpt2, 1024):

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from day28_gpt125m.recipe import AUTOCAST, Recipe, autocast, make_adamw
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus, tokenizer_for
+from dtl.deepspeed import DsConfigError, planned_device_type
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
-from dtl.precision import PRECISIONS, PrecisionName
+from dtl.precision import PrecisionError, PrecisionName
 
 # the CPU default: a small GPT at a long sequence (512 tokens, 128 wide), where attention is a
 # large share of the step; `small` at 128 tokens spends it in its 50,304-word head instead
@@ -60,7 +61,7 @@ class Config:
     batch_size: int = 4  # sequences per step
     steps: int = 6  # timed steps per variant (plus one warm-up)
     only: str = ""  # comma-separated groups to run (attention, AdamW, compile); empty: all
-    precision: PrecisionName = "fp32"  # autocast to it (GPUs; fp32 on a CPU)
+    precision: PrecisionName = "fp32"  # autocast to it (bf16 on GPUs: recipe.AUTOCAST)
     out_dir: str = "outputs/day28_gpt125m/ablation"  # ablation.csv
 
     def validate(self) -> None:
@@ -71,11 +72,10 @@ class Config:
         unknown = [g for g in self.only.split(",") if g and g not in GROUPS]
         if unknown:
             raise dtl_config.ConfigError(f"unknown group(s) {unknown}; {', '.join(GROUPS)}")
-        if PRECISIONS[self.precision].loss_scaling:
-            raise dtl_config.ConfigError(
-                f"precision {self.precision} needs a loss scaler (torch.amp.GradScaler), which "
-                "the ablation does not use; use bf16"
-            )
+        try:  # the run's device, known before anything is built (dtl.dist's rule)
+            AUTOCAST.require(self.precision, planned_device_type())
+        except (PrecisionError, DsConfigError) as e:
+            raise dtl_config.ConfigError(str(e)) from None
 
 
 GROUPS = ("attention", "AdamW", "compile")  # what --only picks from

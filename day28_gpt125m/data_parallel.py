@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from day19_tp.formulas import block_params
 from day24_checkpoint.ckpt import AppState, Checkpointer, Progress
-from day28_gpt125m.recipe import Recipe, autocast, make_adamw
+from day28_gpt125m.recipe import AUTOCAST, Recipe, autocast, make_adamw
 from day28_gpt125m.strategy import Strategy, register
 from dtl import profile as dtl_profile
 from dtl.exercise_seam import exercise
@@ -36,7 +36,7 @@ from dtl.state import live_state_bytes
 class TorchData(Strategy):
     """DDP or FSDP2 on the whole GPT: torch's own data parallelism."""
 
-    precisions = ("fp32", "bf16")  # bf16: autocast (fp16 would need a GradScaler: not wired)
+    support = AUTOCAST
     compile = True
 
     def __init__(

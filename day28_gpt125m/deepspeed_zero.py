@@ -22,13 +22,20 @@ from day23_zero3_offload.measure import locations
 from day28_gpt125m.recipe import Recipe
 from day28_gpt125m.strategy import Strategy, register
 from dtl import profile as dtl_profile
-from dtl.deepspeed import check_sections, import_deepspeed
+from dtl.deepspeed import apply_precision, check_sections, import_deepspeed
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
-from dtl.precision import PRECISIONS
+from dtl.precision import ANY_DEVICE, PRECISIONS, declare
 from dtl.state import KINDS as STATE_KINDS
 from dtl.state import StateBytes
+
+# DeepSpeed's bf16 section, anywhere (its fp16 section and loss scaler are not wired here)
+ZERO_SECTIONS = declare(
+    "day 28's DeepSpeed ZeRO-2 and ZeRO-3",
+    {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE},
+    why="fp16 and its loss scaler are not wired here",
+)
 
 
 class DeepSpeedZero(Strategy):
@@ -37,7 +44,7 @@ class DeepSpeedZero(Strategy):
 
     stage = 0
     extras = ("deepspeed",)
-    precisions = ("fp32", "bf16")  # DeepSpeed's bf16 section (fp16's loss scaler: not wired)
+    support = ZERO_SECTIONS
     suggested_when_short = True
     no_recompute = "--recompute is not wired for DeepSpeed here (untested); use ddp, fsdp2, tp_pp"
 
@@ -79,10 +86,10 @@ class DeepSpeedZero(Strategy):
             "gradient_accumulation_steps": accum,
             "optimizer": {"type": "AdamW", "params": adamw},
             "gradient_clipping": r.clip,
-            "bf16": {"enabled": r.precision == "bf16"},
             "zero_optimization": self.zero_section(),
             "steps_per_print": 10**9,
         }
+        apply_precision(ds, r.precision, device.type)  # DeepSpeed's section for the row
         check_sections(ds)  # the kit's checks, as every ds_config of the course
         self.engine, *_ = self.deepspeed.initialize(
             model=gpt,

@@ -85,12 +85,14 @@ def check(cfg) -> None:
     """Raise FitError if cfg's strategy needs more than the device has, naming one that fits."""
     have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
-    own = dict(kw, precision=REGISTRY[cfg.strategy].runs_in(cfg.precision))
+    own = dict(kw, precision=cfg.runs_precision)
     need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)
     if need["total"] <= have:
         return
     others = {
-        s: predicted_bytes(cfg, s, **kw, precision=kind.runs_in(cfg.precision))["total"]
+        s: predicted_bytes(cfg, s, **kw, precision=kind.runs_in(cfg.precision, cfg.device_type))[
+            "total"
+        ]
         for s, kind in REGISTRY.items()
         if kind.suggested_when_short and s != cfg.strategy
     }

@@ -2,7 +2,7 @@
 
     lr = lr_at(step, Recipe())                  # linear warm-up, cosine decay to min_lr
     opt = make_adamw(params_or_groups, r)       # decay on matrices, fused where it exists
-    with autocast(r, device): loss = ...        # r.precision on GPUs, fp32 on a CPU
+    with autocast(r, device): loss = ...        # r.precision, decided once by the run
     text = generate(model, tokenizer, "ROMEO:", 40)
 
 The numbers are GPT-3 Small's and llm.c's GPT-2 124M run (Brown et al. 2020, Table 2.1;
@@ -13,14 +13,13 @@ the matrices only, gradient clipping at 1.0, peak lr 6e-4, warm-up then cosine t
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dtl.optim import OptimConfig, warmup_cosine
-from dtl.precision import PRECISIONS
+from dtl.precision import ANY_DEVICE, GPU_ONLY, PRECISIONS, declare
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Recipe:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     clip: float = 1.0  # global gradient-norm clip (0: off)
-    precision: str = "fp32"  # a dtl.precision row: autocast to it (GPUs); the CPU checks run fp32
+    precision: str = "fp32"  # the dtl.precision row the run trains in, decided once by its config
 
     @property
     def optim(self) -> OptimConfig:
@@ -64,11 +63,19 @@ def make_adamw(
     return r.optim.make(params, fused=fused, foreach=foreach)
 
 
+# The recipe's autocast: bf16 on GPUs (the CPU checks run fp32); fp16 would need a GradScaler.
+# DDP, FSDP2 and the ablation train through it.
+AUTOCAST = declare(
+    "day 28's autocast (ddp, fsdp2, the ablation)",
+    {"fp32": ANY_DEVICE, "bf16": GPU_ONLY},
+    why="fp16 needs a GradScaler, which is not wired",
+)
+
+
 def autocast(r: Recipe, device: torch.device):
-    """Autocast to the recipe's precision on a GPU (dtl.precision); a no-op otherwise."""
-    if device.type == "cuda":
-        return PRECISIONS[r.precision].autocast("cuda")
-    return contextlib.nullcontext()
+    """Autocast to the recipe's precision (dtl.precision), which the run decided once for its
+    strategy and device; a no-op in fp32."""
+    return PRECISIONS[r.precision].autocast(device.type)
 
 
 @torch.no_grad()

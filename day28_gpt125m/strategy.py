@@ -15,9 +15,17 @@ import torch
 from day28_gpt125m.recipe import Recipe
 from dtl.grid import ParallelGrid
 from dtl.model import GPTConfig
+from dtl.precision import ANY_DEVICE, Support, declare
 from dtl.state import StateBytes
 
 REGISTRY: dict[str, type[Strategy]] = {}  # name -> class, in the order the notes list them
+
+# What a strategy that applies no precision of its own trains in
+FP32_ONLY = declare(
+    "day 28's TP, PP and megatron strategies",
+    {"fp32": ANY_DEVICE},
+    why="they train fp32 here; bf16 runs with ddp, fsdp2, zero2 and zero3",
+)
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -31,8 +39,9 @@ class Strategy:
     pipelines = True  # a model-parallel strategy that takes --pp > 1 (tp_sp: no, pp = 1)
     sequence_parallel = False  # Megatron SP on top of TP (needs --tp > 1)
     no_recompute = ""  # why --recompute other than none is refused ("": dtl.model's applies)
-    # the --precision values it applies (autocast, or DeepSpeed's section); it runs any other fp32
-    precisions: tuple[str, ...] = ("fp32",)
+    # the precisions it applies (autocast, or DeepSpeed's section), and on which devices; asked
+    # for another, it runs fp32 (train.py says so)
+    support: Support = FP32_ONLY
     compile = False  # --compile wraps its model in torch.compile
     measures_state = True  # counts this rank's model-state bytes at the last step
     suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
@@ -84,9 +93,10 @@ class Strategy:
         return cls.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)[0]
 
     @classmethod
-    def runs_in(cls, precision: str) -> str:
-        """The precision it trains in when asked for `precision`: that one, or fp32."""
-        return precision if precision in cls.precisions else "fp32"
+    def runs_in(cls, precision: str, device_type: str) -> str:
+        """The precision it trains in on `device_type` when asked for `precision`: that one where
+        it declares it, else fp32 (which every strategy trains in)."""
+        return precision if device_type in cls.support.devices.get(precision, ()) else "fp32"
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         """One optimizer step over this DP rank's micro-batches; returns (the mean loss where

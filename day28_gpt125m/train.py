@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -61,6 +61,7 @@ from dtl.data import (
     split_micro_batches,
     tokenizer_for,
 )
+from dtl.deepspeed import DsConfigError, planned_device_type
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, mfu, peak_flops
 from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
@@ -104,6 +105,10 @@ class Config:
     seed: int = 0  # model init and batches
     local_rank: int = -1  # passed by the deepspeed launcher; LOCAL_RANK is what is read
     out_dir: str = ""  # empty: outputs/day28_gpt125m/<strategy>-<model>
+    # derived by validate(): the run's device type, and the precision its strategy trains in
+    # there (--precision where the strategy declares it, else fp32), decided once
+    device_type: str = field(default="cpu", init=False)
+    runs_precision: str = field(default="fp32", init=False)
 
     def model_config(self):
         """The preset; under tensor parallelism (tp_pp, megatron) a vocabulary that tp does not
@@ -135,7 +140,7 @@ class Config:
             steps=self.steps,
             weight_decay=self.weight_decay,
             clip=self.clip,
-            precision=self.precision,
+            precision=self.runs_precision,
         )
 
     def validate(self) -> None:
@@ -146,11 +151,13 @@ class Config:
             check_source(self.data)
         except DataError as e:
             raise err(str(e)) from None
-        if not APPLIES[self.precision]:
-            raise err(
-                f"--precision={self.precision} is applied by no strategy here (its loss "
-                "scaler is not wired); use bf16"
-            )
+        if not APPLIES.get(self.precision):
+            raise err(f"--precision={self.precision} is declared by no strategy here; use bf16")
+        try:
+            self.device_type = planned_device_type()
+        except DsConfigError as e:
+            raise err(str(e)) from None
+        self.runs_precision = REGISTRY[self.strategy].runs_in(self.precision, self.device_type)
         if (self.tp > 1 or self.pp > 1) and self.strategy not in MODEL_PARALLEL:
             raise err(f"--tp/--pp are for {', '.join(MODEL_PARALLEL)}, not {self.strategy}")
         kind = REGISTRY[self.strategy]
@@ -252,12 +259,13 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
             f"note: --compile is applied by {', '.join(COMPILE)} only; "
             f"{cfg.strategy} runs without it"
         )
-    precision = REGISTRY[cfg.strategy].runs_in(cfg.precision)
+    precision = cfg.runs_precision
     if precision != cfg.precision:
-        applied_by = ", ".join(APPLIES[cfg.precision])
+        on = " or ".join(REGISTRY[cfg.strategy].support.devices.get(cfg.precision, ())) or "none"
         dtl_dist.print0(
-            f"note: --precision={cfg.precision} is applied by {applied_by} only; "
-            f"{cfg.strategy} runs {precision}"
+            f"note: {cfg.strategy} applies --precision={cfg.precision} on {on} only, and this "
+            f"run's device is {cfg.device_type}: it runs {precision} ({cfg.precision} is applied "
+            f"by {', '.join(APPLIES[cfg.precision])})"
         )
     start = strategy.load(cfg.ckpt_dir) if cfg.resume else 0
     if cfg.resume:
@@ -370,7 +378,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     steady = result["times"][1:] or result["times"]
     med = sorted(steady)[len(steady) // 2]
     tokens_s = cfg.global_batch_size * cfg.seq_len / med
-    peak = peak_flops(info.device, REGISTRY[cfg.strategy].runs_in(cfg.precision))
+    peak = peak_flops(info.device, cfg.runs_precision)
     fpt = flops_per_token(cfg.model_config(), cfg.seq_len)
     value = mfu(fpt, tokens_s, peak, info.world_size)
     shown = f"{value:.1%}" if value is not None else "n/a (no peak for a CPU)"

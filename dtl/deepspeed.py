@@ -12,7 +12,8 @@ Checked before any collective, each a one-line DsConfigError: the file exists an
 top-level key is one DeepSpeed reads (it silently ignores the others: "zero_optimisation" would
 train without ZeRO); `zero_optimization`, `bf16`, `fp16` validate against DeepSpeed's own
 pydantic models; `optimizer` has known keys (DeepSpeed never checks them: a misspelled "parmas"
-trains at the default learning rate); the batch identity holds; no fp16 on a CPU.
+trains at the default learning rate); the batch identity holds; the precision section is the
+run's (`apply_precision`), and one DeepSpeed declares on the run's device (no fp16 on a CPU).
 
 DeepSpeed's device is the run's: DeepSpeed picks its "accelerator" once, when it is first
 imported (CUDA whenever a GPU is visible), and binds its op builders (FusedAdam, cpu_adam) to it
@@ -38,6 +39,18 @@ import torch.distributed as dist
 from dtl import dist as dtl_dist
 from dtl import extras
 from dtl.optim import OptimConfig
+from dtl.precision import ANY_DEVICE, GPU_ONLY, Precision, PrecisionError, declare
+
+# The precisions DeepSpeed trains in here: its bf16 and fp16 sections (fp16 with its own loss
+# scaler; DeepSpeed refuses fp16 on a CPU), or neither for fp32. Every ds_config of the course
+# gets its section from `apply_precision`, so DeepSpeed trains the row it was asked for or none.
+DEEPSPEED = declare(
+    "DeepSpeed",
+    {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE, "fp16": GPU_ONLY},
+    why="its bf16 and fp16 sections are the precisions it has",
+)
+# DeepSpeed's section for the dtype a row stores parameters in; fp32 enables none
+SECTIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class DsConfigError(ValueError):
@@ -224,6 +237,21 @@ def _resolve(ds: dict[str, Any], path: tuple[str, ...], value: object, source: s
         )
 
 
+def apply_precision(ds: dict[str, Any], name: str, device_type: str) -> Precision:
+    """Enable, in `ds`, DeepSpeed's section for the row `name` and disable the other (a section
+    written in the file must agree with the run, as every value); DsConfigError (one line) for a
+    row DeepSpeed does not declare, or not on `device_type`. Returns the row."""
+    try:
+        row = DEEPSPEED.require(name, device_type)
+    except PrecisionError as e:
+        raise DsConfigError(str(e)) from None
+    wanted = SECTIONS.get(row.storage)  # None: fp32, no section
+    for section in SECTIONS.values():
+        if section in ds or section == wanted:
+            _resolve(ds, (section, "enabled"), section == wanted, "--precision")
+    return row
+
+
 def load_ds_config(
     path: str,
     *,
@@ -253,10 +281,6 @@ def load_ds_config(
     _resolve(ds, ("zero_optimization", "stage"), stage, "--stage")
     for name, value in opt.deepspeed_params().items():
         _resolve(ds, ("optimizer", "params", name), value, f"--{name}")
-    if ds.get("fp16", {}).get("enabled") is True and device_type == "cpu":
-        raise DsConfigError("ds_config enables fp16, which DeepSpeed refuses on a CPU; use bf16")
-    for section in ("bf16", "fp16"):  # DeepSpeed's sections, named as dtl.precision's rows
-        if section in ds or section == precision:
-            _resolve(ds, (section, "enabled"), section == precision, "--precision")
+    apply_precision(ds, precision, device_type)
     check_sections(ds)  # after the "auto" values are filled: DeepSpeed's models see numbers
     return ds

@@ -21,7 +21,7 @@ CASES = {
     ],
     "day18_zero.bench": [
         (["--pairs=zero5"], "unknown pair(s) ['zero5']"),
-        (["--precision=fp16"], "precision fp16 needs a loss scaler"),
+        (["--precision=fp16"], "hand ZeRO (stages 1-3) does not train in fp16"),
         (["--steps=2", "--warmup=2"], "steps (2) must exceed warmup (2)"),
         (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
     ],
@@ -29,7 +29,7 @@ CASES = {
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
         (["--ns=8,abc"], "ns must be comma-separated integers"),
         (["--engines=hand-4"], "unknown engine(s) ['hand-4']"),
-        (["--precision=fp16"], "precision fp16 needs a loss scaler"),
+        (["--precision=fp16"], "simulated ZeRO (hand stages 1-3, FSDP2) does not train in fp16"),
     ],
     "day22_megatron.scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
@@ -115,7 +115,7 @@ CASES = {
         (["--make_vocab_size_divisible_by=0"], "'make_vocab_size_divisible_by' must be an integer"),
     ],
     "day22_megatron.train_megatron": [
-        (["--precision=bf16"], "--precision=bf16 is for GPUs here"),
+        (["--precision=bf16"], "megatron-core trains bf16 on cuda only"),
         (["--tensor-model-parallel-size=0"], "'tensor_model_parallel_size' must be an integer"),
         (["--global-batch-size=7"], "global batch 7 is not divisible by micro-batch 1 x dp 4"),
         (["--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
@@ -123,7 +123,7 @@ CASES = {
     ],
     "day23_zero3_offload.train": [
         ([f"--ds_config={NOT_FOUND}"], "ds_config file not found"),
-        (["--precision=fp16"], "precision fp16 needs a GPU"),
+        (["--precision=fp16"], "DeepSpeed trains fp16 on cuda only"),
         (["--resume"], "--save_at and --resume need --ckpt_dir"),
         (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
     ],
@@ -189,12 +189,12 @@ CASES = {
         (["--workers=-1"], "'workers' must be an integer >= 0"),
         (["--clip=-1"], "'clip' must be a finite number >= 0"),  # once trained
         (["--lr=0.1", "--min_lr=1"], "min_lr 1 exceeds lr 0.1"),  # once trained, then failed
-        (["--precision=fp16"], "--precision=fp16 is applied by no strategy here"),
+        (["--precision=fp16"], "--precision=fp16 is declared by no strategy here"),
     ],
     "day28_gpt125m.ablation": [
         (["--model=x"], "unknown model 'x'"),
         (["--only=x"], "unknown group(s) ['x']"),  # once an IndexError
-        (["--precision=fp16"], "precision fp16 needs a loss scaler"),  # once ran in fp32
+        (["--precision=fp16"], "autocast (ddp, fsdp2, the ablation) does not train in fp16"),
         (["--steps=0"], "'steps' must be an integer >= 1"),
     ],
     "day28_gpt125m.bench_mfu": [

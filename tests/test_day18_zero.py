@@ -86,8 +86,8 @@ def reference(kind, world, micro, opt=OPT):
 def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", prefetch=True, opt=OPT):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(kind)
-    if dtype == "bf16" and impl == "hand":
-        model = model.to(torch.bfloat16)
+    if engines.trainer_class(impl, stage).model_in_storage_dtype:
+        model = model.to(PRECISIONS[dtype].storage)
     ds = None
     if impl == "deepspeed":
         ds = load_ds_config(
@@ -135,6 +135,7 @@ def _train(counter, kind, impl, stage, micro=1, no_sync=True, dtype="fp32", pref
         comm={k: v for k, v in comm.items() if v},
         padded=t.padded_numel(),
         live=live,
+        held_in=sorted({str(p.dtype) for p in t.model.parameters()}),  # what the engine trains
     )
 
 
@@ -429,6 +430,18 @@ def test_deepspeed_state_bytes_from_its_partitions_equal_the_formula_within_1_pe
                 )
 
 
+def test_deepspeed_trains_the_precision_asked_and_no_other(deepspeed_zero):
+    """Each DeepSpeed run holds its parameters in the storage dtype of the row it was asked for
+    (dtl.deepspeed.apply_precision enables that row's section and no other): fp32 runs in fp32,
+    bf16 in bf16, at every stage."""
+    world, ranks = deepspeed_zero
+    for res in ranks:
+        for stage in (1, 2, 3):
+            assert res[(f"ds-{stage}", 1)]["held_in"] == ["torch.float32"], stage
+            if world == 2:
+                assert res[(f"ds-{stage}", "bf16")]["held_in"] == ["torch.bfloat16"], stage
+
+
 # --- communication ------------------------------------------------------------------------------
 
 
@@ -587,7 +600,7 @@ def test_ds_config_mistakes_are_one_line_errors_before_any_collective(tmp_path):
         (_ds(tmp_path, zero_optimization__reduce_scater=True), r"zero_optimization.reduce_scater"),
         (_ds(tmp_path, optimizer__parmas={"lr": 0.5}), r"unknown key\(s\) \['parmas'\]"),
         (_ds(tmp_path, gradient_accumulation_steps=3), r"gradient_accumulation_steps' is 3"),
-        (_ds(tmp_path, fp16={"enabled": True}), r"fp16, which DeepSpeed refuses on a CPU"),
+        (_ds(tmp_path, fp16={"enabled": True}), r"'fp16.enabled' is True but the run has False"),
         (str(tmp_path / "missing.json"), r"ds_config file not found"),
     ]
     for path, pattern in cases:
@@ -623,8 +636,9 @@ def test_hand_zero_rejects_an_unknown_stage_before_any_collective():
     [
         (["--stage=4"], "unknown ZeRO stage 4"),
         (["--impl=fsdp"], "unknown impl 'fsdp'"),
-        (["--precision=fp16"], "precision fp16 needs a GPU"),
-        (["--impl=torch", "--precision=bf16"], "precision bf16 runs with impl=hand stages 1-3"),
+        (["--precision=fp16"], "hand ZeRO (stages 1-3) does not train in fp16"),
+        (["--impl=deepspeed", "--precision=fp16"], "DeepSpeed trains fp16 on cuda only"),
+        (["--impl=torch", "--precision=bf16"], "FSDP2 does not train in bf16"),
         pytest.param(
             ["--impl=deepspeed", "--grad_accum=2", "--ds_config=BAD"],
             "ds_config file not found",

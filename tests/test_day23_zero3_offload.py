@@ -340,7 +340,7 @@ def test_fp16_on_a_cpu_is_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(dtl_config.ConfigError) as err:
         dtl_config.load(train.Config, ["--precision=fp16"])
-    assert "precision fp16 needs a GPU" in str(err.value) and "\n" not in str(err.value)
+    assert "DeepSpeed trains fp16 on cuda only" in str(err.value) and "\n" not in str(err.value)
 
 
 @needs_deepspeed

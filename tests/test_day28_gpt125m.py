@@ -311,7 +311,7 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
         (["--strategy=zero3", "--recompute=full"], "2", "--recompute is not wired for DeepSpeed"),
         (["--recompute=some"], "2", "recompute"),
         (["--strategy=pipe"], "2", "unknown strategy 'pipe'"),
-        (["--precision=fp16"], "2", "--precision=fp16 is applied by no strategy here"),
+        (["--precision=fp16"], "2", "--precision=fp16 is declared by no strategy here"),
     ],
 )
 def test_bad_input_is_one_line(args, world, message, monkeypatch, tmp_path):

@@ -30,7 +30,7 @@ CONFIGS_WITH_A_PRECISION = [
 @pytest.mark.parametrize("name", list(PRECISIONS))
 def test_param_and_grad_bytes_are_the_dtype_a_tensor_holds(name):
     p = PRECISIONS[name]
-    w = torch.nn.Parameter(torch.zeros(10, dtype=p.dtype))
+    w = torch.nn.Parameter(torch.zeros(10, dtype=p.storage))
     (w.float().sum() * 2).backward()
     assert w.element_size() == p.param and w.grad.element_size() == p.grad
 
@@ -38,9 +38,9 @@ def test_param_and_grad_bytes_are_the_dtype_a_tensor_holds(name):
 @pytest.mark.parametrize("name", list(PRECISIONS))
 def test_optimizer_bytes_are_adam_with_an_fp32_master_where_the_params_are_not_fp32(name):
     p = PRECISIONS[name]
-    w = torch.nn.Parameter(torch.randn(64, dtype=p.dtype))
+    w = torch.nn.Parameter(torch.randn(64, dtype=p.storage))
     # what a mixed-precision optimizer steps: an fp32 copy (the master) where w is not fp32
-    master = w if p.is_fp32 else torch.nn.Parameter(w.detach().float())
+    master = w if p.storage == torch.float32 else torch.nn.Parameter(w.detach().float())
     master.grad = torch.ones_like(master)
     opt = torch.optim.AdamW([master])
     opt.step()
@@ -68,7 +68,7 @@ def test_autocast_computes_matmuls_in_the_row_dtype(name):
     p = PRECISIONS[name]
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     with p.autocast("cpu"):
-        assert (a @ b).dtype == p.dtype
+        assert (a @ b).dtype == p.autocast_dtype == p.matmul_dtype
     with PRECISIONS["fp32"].autocast("cpu"):
         assert (a @ b).dtype == torch.float32
 

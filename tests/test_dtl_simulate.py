@@ -29,10 +29,10 @@ def _real_zero():
     out = {}
     for engine, precision in CASES:
         impl, stage = scale.ENGINES[engine]
-        gpt = GPT(MODEL, seed=0).to(PRECISIONS[precision].dtype)
+        gpt = GPT(MODEL, seed=0).to(PRECISIONS[precision].storage)
         trainer = engines.build(impl, stage, gpt, None, OptimConfig(), no_sync=True)
         x = torch.randint(0, MODEL.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
-        got = scale.two_steps(trainer, [(x[:, :-1], x[:, 1:])])  # what simulate() counts
+        got = scale.two_steps(trainer, [(x[:, :-1], x[:, 1:])], precision)  # what simulate counts
         out[engine, precision] = _comparable(got)
     return out
 
@@ -59,7 +59,7 @@ def test_simulated_zero_and_fsdp2_at_scale_equal_the_padded_formulas(world):
             num_params(MODEL), world, sim["formula_stage"], sim["precision"], padded=sim["padded"]
         )
         assert tuple(sim["held"].values()) == (want.params, want.grads, want.optim), engine
-        elem = PRECISIONS[precision].dtype.itemsize
+        elem = PRECISIONS[precision].storage.itemsize
         assert sim["sent"] == zero_formulas.comm_bytes_per_rank(sim["padded"], world, stage, elem)
 
 
