@@ -77,11 +77,12 @@ class Placement:
 
 class Schedule(list):
     """Per rank, the ordered list of actions ([rank][step]), carrying the placement of its
-    stages (a plain list of lists is read as the loop over len(schedule) ranks)."""
+    stages, which every builder states (a plain list of lists, as the tests write by hand, is
+    read as the loop over len(schedule) ranks by `placement_of`)."""
 
-    def __init__(self, ranks=(), placement: Placement | None = None):
+    def __init__(self, ranks, placement: Placement):
         super().__init__(ranks)
-        self.placement = placement or Placement.loop(len(self))
+        self.placement = placement
 
 
 def placement_of(schedule, v: int = 1) -> Placement:

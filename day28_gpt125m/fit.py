@@ -13,8 +13,8 @@ full while a step runs), each strategy's own predicted_state (its class in REGIS
     zero3      20Ψ/N: DeepSpeed keeps an fp32 master beside fp32 parameters   + every parameter
                (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
-    megatron   layers, the embedding on the first stage, the head on the last) + 0; megatron's
-               DistributedOptimizer shards Adam's m and v over dp
+    tp_sp,     layers, the embedding on the first stage, the head on the last) + 0; tp_sp is
+    megatron   tp_pp at pp = 1; megatron's DistributedOptimizer shards Adam's m and v over dp
 Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
 fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
