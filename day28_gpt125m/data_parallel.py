@@ -23,12 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from day19_tp.formulas import block_params
 from day24_checkpoint.ckpt import AppState, Checkpointer, Progress
-from day28_gpt125m.recipe import AUTOCAST, Recipe, autocast, make_adamw
-from day28_gpt125m.strategy import Strategy, register
+from day28_gpt125m.recipe import AUTOCAST, autocast, make_adamw
+from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
 from dtl.exercise_seam import exercise
-from dtl.grid import ParallelGrid
-from dtl.model import GPT, GPTConfig, loss_fn, num_params
+from dtl.model import GPT, loss_fn, num_params
 from dtl.optim import set_lr
 from dtl.state import live_state_bytes
 
@@ -39,22 +38,13 @@ class TorchData(Strategy):
     support = AUTOCAST
     compile = True
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        r: Recipe,
-        grid: ParallelGrid,
-        device,
-        *,
-        seed: int,
-        recompute: str,
-        **_,
-    ):
-        self.r, self.device = r, device
-        self.gpt = GPT(cfg, seed=seed).to(device)  # its parameters: clipped, updated, gathered
-        self.gpt.set_recompute(recompute)  # before DDP or fully_shard wrap the blocks
-        self.model = self.wrap(self.gpt, device)  # what forward runs
-        self.optimizer = make_adamw(self.gpt, r)
+    def __init__(self, s: Setup):
+        self.r, self.device = s.recipe, s.device
+        # its parameters: clipped, updated, gathered
+        self.gpt = GPT(s.cfg, seed=s.seed).to(s.device)
+        self.gpt.set_recompute(s.recompute)  # before DDP or fully_shard wrap the blocks
+        self.model = self.wrap(self.gpt, s.device)  # what forward runs
+        self.optimizer = make_adamw(self.gpt, s.recipe)
 
     def wrap(self, gpt: GPT, device) -> torch.nn.Module:
         """`gpt` with its gradients synced over the ranks: the module forward runs."""

@@ -19,12 +19,10 @@ import torch.distributed as dist
 from day18_zero import formulas
 from day18_zero.ds_engine import ds_state_bytes
 from day23_zero3_offload.measure import locations
-from day28_gpt125m.recipe import Recipe
-from day28_gpt125m.strategy import Strategy, register
+from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
 from dtl.deepspeed import apply_precision, check_sections, import_deepspeed
-from dtl.grid import ParallelGrid
-from dtl.model import GPT, GPTConfig, loss_fn, num_params
+from dtl.model import GPT, loss_fn, num_params
 from dtl.optim import optimizer_groups, set_lr
 from dtl.precision import ANY_DEVICE, PRECISIONS, declare
 from dtl.state import KINDS as STATE_KINDS
@@ -63,33 +61,22 @@ class DeepSpeedZero(Strategy):
     def zero_section(self) -> dict:
         return {"stage": self.stage}
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        r: Recipe,
-        grid: ParallelGrid,
-        device,
-        *,
-        micro_batch: int,
-        accum: int,
-        seed: int,
-        **_,
-    ):
-        gpt = GPT(cfg, seed=seed)  # DeepSpeed moves it to the accelerator's device
+    def __init__(self, s: Setup):
+        r = self.r = s.recipe
+        gpt = GPT(s.cfg, seed=s.seed)  # DeepSpeed moves it to the accelerator's device
         # the deepspeed module, imported here (an optional extra) with its accelerator = the
         # run's device; kept for full_parameters' GatheredParameters
-        self.deepspeed = import_deepspeed(device.type)
-        self.r = r
+        self.deepspeed = import_deepspeed(s.device.type)
         adamw = r.optim.deepspeed_params()
         ds = {
-            "train_micro_batch_size_per_gpu": micro_batch,
-            "gradient_accumulation_steps": accum,
+            "train_micro_batch_size_per_gpu": s.micro_batch,
+            "gradient_accumulation_steps": s.accum,
             "optimizer": {"type": "AdamW", "params": adamw},
             "gradient_clipping": r.clip,
             "zero_optimization": self.zero_section(),
             "steps_per_print": 10**9,
         }
-        apply_precision(ds, r.precision, device.type)  # DeepSpeed's section for the row
+        apply_precision(ds, r.precision, s.device.type)  # DeepSpeed's section for the row
         check_sections(ds)  # the kit's checks, as every ds_config of the course
         self.engine, *_ = self.deepspeed.initialize(
             model=gpt,

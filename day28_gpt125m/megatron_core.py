@@ -18,10 +18,7 @@ import dtl.megatron as dm
 from day22_megatron import mcore
 from day22_megatron.megatron_gpt import gather_dense
 from day28_gpt125m.model_parallel import Pipelined, untied
-from day28_gpt125m.recipe import Recipe
-from day28_gpt125m.strategy import register
-from dtl.grid import ParallelGrid
-from dtl.model import GPTConfig
+from day28_gpt125m.strategy import Setup, register
 
 
 @register
@@ -34,36 +31,24 @@ class Megatron(Pipelined):
     no_checkpoints = "megatron-core checkpoints (dist_checkpointing) are not wired into day 28"
     no_recompute = "--recompute is not wired for megatron (its recompute_granularity); use tp_pp"
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        r: Recipe,
-        grid: ParallelGrid,
-        device,
-        *,
-        micro_batch: int,
-        seq_len: int,
-        seed: int,
-        steps: int,
-        **_,
-    ):
-        self.r, self.grid, self.cfg = r, grid, cfg
-        self.seq_len, self.micro_batch = seq_len, micro_batch
+    def __init__(self, s: Setup):
+        self.r, self.grid, self.cfg = s.recipe, s.grid, s.cfg
+        self.seq_len, self.micro_batch = s.seq_len, s.micro_batch
         self._shim = contextlib.ExitStack()
-        dm.init_parallel_state(grid)
+        dm.init_parallel_state(s.grid)
         self._shim.enter_context(dm.cpu_shim())
         self.parts = mcore.build(
-            cfg,
-            grid,
-            device,
-            optim=r.optim,
-            clip_grad=r.clip,
-            steps=steps,
+            s.cfg,
+            s.grid,
+            s.device,
+            optim=s.recipe.optim,
+            clip_grad=s.recipe.clip,
+            steps=s.steps,
             distributed_optimizer=self.distributed_optimizer,  # what predicted_state assumes
-            seed=seed,
+            seed=s.seed,
             scheduler=False,
         )
-        self.forward_step = mcore.make_forward_step(seq_len, device)
+        self.forward_step = mcore.make_forward_step(s.seq_len, s.device)
 
     def step(self, micro_batches, lr):
         # the recipe's schedule instead of megatron's OptimizerParamScheduler

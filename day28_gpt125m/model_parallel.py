@@ -16,10 +16,8 @@ from day22_megatron import formulas, stack
 from day22_megatron.layouts import Layout
 from day24_checkpoint.ckpt import Checkpointer, Progress
 from day24_checkpoint.sharded import StackState
-from day28_gpt125m.recipe import Recipe
-from day28_gpt125m.strategy import Strategy, register
+from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
-from dtl.grid import ParallelGrid
 from dtl.model import GPTConfig
 from dtl.optim import set_lr
 
@@ -65,32 +63,19 @@ class OurTPPP(Pipelined):
 
     name = "tp_pp"
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        r: Recipe,
-        grid: ParallelGrid,
-        device,
-        *,
-        micro_batch: int,
-        accum: int,
-        seq_len: int,
-        seed: int,
-        recompute: str,
-        **_,
-    ):
-        self.r = r
+    def __init__(self, s: Setup):
+        self.r = s.recipe
         self.stack = stack.build_stack(
-            cfg,
-            grid,
-            micro_batch_size=micro_batch,
-            microbatches=accum,
-            seq_len=seq_len,
-            seed=seed,
-            optim=r.optim,
-            device=device,
+            s.cfg,
+            s.grid,
+            micro_batch_size=s.micro_batch,
+            microbatches=s.accum,
+            seq_len=s.seq_len,
+            seed=s.seed,
+            optim=s.recipe.optim,
+            device=s.device,
             sp=self.sequence_parallel,
-            recompute=recompute,
+            recompute=s.recompute,
         )
 
     def step(self, micro_batches, lr):

@@ -1,6 +1,6 @@
 """Day 28: one interface over every strategy of the course, so one loop trains them all.
 
-    s = build("fsdp2", cfg, recipe, grid, device)       # any name in REGISTRY
+    s = build("fsdp2", Setup(cfg, recipe, grid, device, ...))   # any name in REGISTRY
     loss, norm = s.step(micro_batches, lr)              # one optimizer step (accumulation inside)
     full = s.full_parameters()                          # the dense model's tensors (collective)
     s.close()
@@ -38,11 +38,9 @@ import torch.distributed as dist
 # imported for their @register: REGISTRY lists the strategies in the notes' order (--help,
 # fit.check's hint) because these load in that order, megatron_core after model_parallel (its base)
 from day28_gpt125m import data_parallel, deepspeed_zero, megatron_core, model_parallel  # noqa: F401
-from day28_gpt125m.recipe import Recipe
-from day28_gpt125m.strategy import REGISTRY, Strategy
+from day28_gpt125m.strategy import REGISTRY, Setup, Strategy
 from dtl.dist import all_reduce_scalar
 from dtl.grid import ParallelGrid
-from dtl.model import GPTConfig
 from dtl.precision import PRECISIONS
 
 STRATEGIES = tuple(REGISTRY)  # what --strategy takes
@@ -52,35 +50,11 @@ APPLIES = {p: tuple(n for n, c in REGISTRY.items() if p in c.support.devices) fo
 COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.compile
 
 
-def build(
-    name: str,
-    cfg: GPTConfig,
-    r: Recipe,
-    grid: ParallelGrid,
-    device,
-    *,
-    micro_batch: int,
-    accum: int,
-    seq_len: int,
-    seed: int,
-    steps: int,
-    recompute: str = "none",
-) -> Strategy:
-    """The strategy `name` on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid."""
+def build(name: str, s: Setup) -> Strategy:
+    """The strategy `name`, built from `s` (strategy.Setup: the GPT, recipe, grid, device...)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; one of {', '.join(REGISTRY)}")
-    return REGISTRY[name](
-        cfg,
-        r,
-        grid,
-        device,
-        micro_batch=micro_batch,
-        accum=accum,
-        seq_len=seq_len,
-        seed=seed,
-        steps=steps,
-        recompute=recompute,
-    )
+    return REGISTRY[name](s)
 
 
 def mean_loss(loss: float | None, grid: ParallelGrid) -> float:

@@ -10,6 +10,8 @@ REGISTRY is complete, and train.py's --strategy, fit.py and the tests take them 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from day28_gpt125m.recipe import Recipe
@@ -19,6 +21,24 @@ from dtl.precision import ANY_DEVICE, Support, declare
 from dtl.state import StateBytes
 
 REGISTRY: dict[str, type[Strategy]] = {}  # name -> class, in the order the notes list them
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every strategy is built from: the one-process GPT(cfg, seed), the recipe, the run's
+    grid and device, and the step's shape. Each strategy reads the fields it uses."""
+
+    cfg: GPTConfig
+    recipe: Recipe
+    grid: ParallelGrid
+    device: torch.device
+    micro_batch: int  # sequences per micro-batch per DP rank
+    accum: int  # micro-batches per optimizer step
+    seq_len: int
+    seed: int
+    steps: int  # optimizer steps of the whole run (a scheduler's length)
+    recompute: str = "none"  # dtl.model's set_recompute
+
 
 # What a strategy that applies no precision of its own trains in
 FP32_ONLY = declare(
@@ -50,22 +70,8 @@ class Strategy:
     last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        r: Recipe,
-        grid: ParallelGrid,
-        device,
-        *,
-        micro_batch: int,
-        accum: int,
-        seq_len: int,
-        seed: int,
-        steps: int,
-        recompute: str,
-    ):
-        """The strategy on the one-process GPT(cfg, seed); `grid` is the run's ParallelGrid.
-        Every strategy takes these arguments (a subclass names the ones it uses, then **_)."""
+    def __init__(self, s: Setup):
+        """The strategy on the one-process GPT(s.cfg, s.seed), over the run's grid s.grid."""
         raise NotImplementedError
 
     @classmethod

@@ -46,6 +46,7 @@ from day28_gpt125m.strategies import (
     MODEL_PARALLEL,
     REGISTRY,
     STRATEGIES,
+    Setup,
     build,
     mean_loss,
 )
@@ -239,8 +240,7 @@ def evaluate(cfg: Config, full: dict, val, device) -> tuple[float, GPT]:
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     train, val, tokenizer = prepare_data(cfg)
     r = cfg.recipe()
-    strategy = build(
-        cfg.strategy,
+    setup = Setup(
         cfg.model_config(),
         r,
         grid,
@@ -252,6 +252,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         steps=cfg.steps,
         recompute=cfg.recompute,
     )
+    strategy = build(cfg.strategy, setup)
     if cfg.compile and cfg.strategy in COMPILE:
         strategy.model = torch.compile(strategy.model)
     if cfg.compile and cfg.strategy not in COMPILE:
