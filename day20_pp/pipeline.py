@@ -45,6 +45,8 @@ and an Nsight Systems report show the schedule by name.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,6 +63,7 @@ from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 
+T = TypeVar("T")  # what _for_every_pipeline makes per pipeline
 # the range around one runner step: day 27 reads a trace's idle inside it by the runtime's rule
 SCHEDULE_RANGE = "schedule"
 
@@ -379,23 +382,27 @@ def _tied_group(grid: ParallelGrid, placement: Placement):
         return None
     if ends == (0, grid.pp_size - 1):  # the pipeline's two ends: the group the grid built
         return grid.embedding_group
-    mine = None
-    for ranks in grid.group_ranks("pp"):
-        group = dist.new_group([ranks[e] for e in ends])
-        if grid.rank in ranks:
-            mine = group
-    return mine
+    return _for_every_pipeline(grid, lambda ranks: dist.new_group([ranks[e] for e in ends]))
 
 
 def _lane_groups(grid: ParallelGrid) -> dict:
     """Two process groups over this rank's pipeline: messages toward a higher pipeline rank
     ("up") and toward a lower one ("down"). Creating a group is collective, so every rank
     creates the pair for every pipeline, in the same order."""
+    return _for_every_pipeline(
+        grid, lambda ranks: {"up": dist.new_group(ranks), "down": dist.new_group(ranks)}
+    )
+
+
+def _for_every_pipeline(grid: ParallelGrid, make: Callable[[list[int]], T]) -> T:
+    """`make(ranks)` for every pipeline of the grid, in the same order on every rank (making a
+    process group is collective: every rank takes part in each); this rank's pipeline's."""
     mine = None
     for ranks in grid.group_ranks("pp"):
-        pair = {"up": dist.new_group(ranks), "down": dist.new_group(ranks)}
+        made = make(ranks)
         if grid.rank in ranks:
-            mine = pair
+            mine = made
+    assert mine is not None, "every rank is on one pipeline"
     return mine
 
 

@@ -128,14 +128,6 @@ def _honour_zero_init_dtype(init_cls: Any) -> None:  # deepspeed.zero.Init
     init_cls._set_dtype = _set_dtype
 
 
-def require_deepspeed(what: str = "impl=deepspeed") -> None:
-    """`what` stops in one line (a DsConfigError) when DeepSpeed is not installed."""
-    if extras.missing(["deepspeed"]):
-        raise DsConfigError(
-            f"{what} needs DeepSpeed, which is not installed: {extras.install_hint(['deepspeed'])}"
-        )
-
-
 @lru_cache(maxsize=1)
 def known_top_level_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed reads, found by letting DeepSpeedConfig parse a dict that
@@ -266,7 +258,7 @@ def load_ds_config(
     """Read, check and complete a ds_config for a run on `device_type`; raises DsConfigError
     (one line). DeepSpeed's accelerator is set to `device_type` before DeepSpeed is imported."""
     ds = read_ds_config(path)
-    require_deepspeed()
+    extras.require("impl=deepspeed", "deepspeed", error=DsConfigError)
     use_run_accelerator(device_type)
     want_batch = micro_batch * grad_accum * world_size
     _resolve(ds, ("train_micro_batch_size_per_gpu",), micro_batch, "--batch_size")

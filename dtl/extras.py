@@ -41,12 +41,12 @@ def install_hint(extras: Iterable[str]) -> str:
     return f"pip install -e '.[{','.join(extras)}]'"
 
 
-def require(what: str, *extras: str) -> None:
-    """Stop `what` (a script's choice: "impl=deepspeed", "part=ratio") in one line when an extra
-    it needs is absent."""
+def require(what: str, *extras: str, error: type[ValueError] = ConfigError) -> None:
+    """Stop `what` (a script's choice: "impl=deepspeed", "part=ratio") in one line, an `error`,
+    when an extra it needs is absent."""
     absent = missing(extras)
     if absent:
-        raise ConfigError(
+        raise error(
             f"{what} needs {' and '.join(absent)}, which is not installed: {install_hint(absent)}"
         )
 
