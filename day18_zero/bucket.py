@@ -30,9 +30,16 @@ class Bucket:
     """
 
     def __init__(
-        self, params, names, stage: int, rank: int, world: int, group, offload: bool = False,
+        self,
+        params,
+        names,
+        stage: int,
+        rank: int,
+        world: int,
+        group,
+        offload: bool = False,
         label: str = "bucket",
-    ):  # fmt: skip
+    ):
         self.params, self.names = params, names
         self.label = label  # its name in the ranges: "bucket 1" (stages 1-2), "unit 2", "root"
         self.offload = offload  # the optimizer's tensors (master, m, v) kept in CPU memory

@@ -128,11 +128,16 @@ def row(name: str, engine: str, n: int, precision: str, seq_len: int) -> dict:
     )
     elem = PRECISIONS[precision].storage.itemsize
     return dict(
-        model=name, engine=engine, N=n, psi=psi,
-        simulated=sum(sim["held"].values()), formula=want.total,
-        sent=sim["sent"], sent_formula=formulas.comm_bytes_per_rank(sim["padded"], n, stage, elem),
+        model=name,
+        engine=engine,
+        N=n,
+        psi=psi,
+        simulated=sum(sim["held"].values()),
+        formula=want.total,
+        sent=sim["sent"],
+        sent_formula=formulas.comm_bytes_per_rank(sim["padded"], n, stage, elem),
         seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,9 +68,16 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features, out_features, group, bias=True, gather_output=False, *,
-        device=None, dtype=None,
-    ):  # fmt: skip
+        self,
+        in_features,
+        out_features,
+        group,
+        bias=True,
+        gather_output=False,
+        *,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         like = dict(device=device, dtype=dtype)
         t, _ = _tp(group)
@@ -98,9 +105,16 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features, out_features, group, bias=True, input_is_parallel=True, *,
-        device=None, dtype=None,
-    ):  # fmt: skip
+        self,
+        in_features,
+        out_features,
+        group,
+        bias=True,
+        input_is_parallel=True,
+        *,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         like = dict(device=device, dtype=dtype)
         t, _ = _tp(group)

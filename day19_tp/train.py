@@ -160,10 +160,18 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
 def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> Verdict:
     """rank 0 trains the dense model in one process on the global batch (dtl.reference)."""
     return dense_verdict(
-        result["losses"], result["full"], preset(cfg.model), result["corpus"].train,
-        seq_len=cfg.seq_len, rows=cfg.batch_size * grid.dp_size, steps=cfg.steps,
-        device=info.device, check=cfg.check, seed=cfg.seed, lr=cfg.lr,
-    )  # fmt: skip
+        result["losses"],
+        result["full"],
+        preset(cfg.model),
+        result["corpus"].train,
+        seq_len=cfg.seq_len,
+        rows=cfg.batch_size * grid.dp_size,
+        steps=cfg.steps,
+        device=info.device,
+        check=cfg.check,
+        seed=cfg.seed,
+        lr=cfg.lr,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -83,9 +83,16 @@ class Config:
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     rows = cfg.micro_batch_size * cfg.microbatches
     return dp_micro_batches(
-        tokens, cfg.seq_len, rows, cfg.micro_batch_size, step=step, seed=cfg.seed,
-        dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
-    )  # fmt: skip
+        tokens,
+        cfg.seq_len,
+        rows,
+        cfg.micro_batch_size,
+        step=step,
+        seed=cfg.seed,
+        dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+        device=device,
+    )
 
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:

@@ -129,11 +129,16 @@ def row_at(cfg, lay: Layout, best: dict, k: int) -> dict:
         state=(2 + 2 + 4) * params,  # bf16 params, grads, Adam m and v (torch AdamW, no master)
     )
     return dict(
-        layout=lay.name(), stage=stage, b=best["b"], m=best["m"],
-        **{f"{key}_sim": sim[key] for key in want}, **{f"{key}_formula": want[key] for key in want},
-        megatron_dp=best["dp_gb"] * GB, megatron_state=best["states_gb"] * GB,
+        layout=lay.name(),
+        stage=stage,
+        b=best["b"],
+        m=best["m"],
+        **{f"{key}_sim": sim[key] for key in want},
+        **{f"{key}_formula": want[key] for key in want},
+        megatron_dp=best["dp_gb"] * GB,
+        megatron_state=best["states_gb"] * GB,
         seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+    )
 
 
 def gap(r: dict, key: str) -> float:

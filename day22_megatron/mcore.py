@@ -114,9 +114,14 @@ def build(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     opt_config = OptimizerConfig(
-        optimizer="adam", min_lr=optim.lr, clip_grad=clip_grad, **optim.megatron_kwargs(),
-        use_distributed_optimizer=distributed_optimizer, bf16=bf16, params_dtype=dtype,
-    )  # fmt: skip
+        optimizer="adam",
+        min_lr=optim.lr,
+        clip_grad=clip_grad,
+        **optim.megatron_kwargs(),
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=bf16,
+        params_dtype=dtype,
+    )
     with dm.optimizer_shim():
         optimizer = get_megatron_optimizer(opt_config, model)
     sched = None
@@ -125,10 +130,18 @@ def build(
         # group, biases and LayerNorm weights too (megatron's groups only *record* wd_mult = 0).
         lr, wd = optim.lr, optim.weight_decay
         sched = OptimizerParamScheduler(
-            optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
-            lr_decay_steps=steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
-            wd_incr_steps=steps, wd_incr_style="constant",
-        )  # fmt: skip
+            optimizer,
+            init_lr=lr,
+            max_lr=lr,
+            min_lr=lr,
+            lr_warmup_steps=0,
+            lr_decay_steps=steps,
+            lr_decay_style="constant",
+            start_wd=wd,
+            end_wd=wd,
+            wd_incr_steps=steps,
+            wd_incr_style="constant",
+        )
     return Parts(chunks, model, optimizer, sched)
 
 

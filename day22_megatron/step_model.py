@@ -55,8 +55,13 @@ class StepModel:
         """What of `comm_s` seconds of overlappable traffic the step waits for."""
         return comm_s - min(self.overlap * comm_s, compute_s)
 
-    def step_s(self, compute_s: float, bubble: float = 0.0, critical_s: float = 0.0,
-               overlappable_s: float = 0.0) -> float:  # fmt: skip
+    def step_s(
+        self,
+        compute_s: float,
+        bubble: float = 0.0,
+        critical_s: float = 0.0,
+        overlappable_s: float = 0.0,
+    ) -> float:
         return compute_s / (1 - bubble) + critical_s + self.exposed_s(overlappable_s, compute_s)
 
 
@@ -81,5 +86,9 @@ class ClusterConfig:
         return self.gpu_memory_gb * self.usable_memory_fraction
 
     def step_model(self) -> StepModel:
-        return StepModel(mfu=self.mfu, nvlink_gbs=self.nvlink_gbs, ib_gbs=self.ib_gbs,
-                         overlap=self.overlap_fraction)  # fmt: skip
+        return StepModel(
+            mfu=self.mfu,
+            nvlink_gbs=self.nvlink_gbs,
+            ib_gbs=self.ib_gbs,
+            overlap=self.overlap_fraction,
+        )

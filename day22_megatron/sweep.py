@@ -103,10 +103,16 @@ def _max_over_ranks(values: dict[str, float], device) -> dict[str, float]:
 def measure(cfg: Config, info, lay: layouts.Layout) -> dict:
     """One layout: a few steps of our stack, then its row of the table."""
     run_cfg = train_4d.Config(
-        tp=lay.tp, pp=lay.pp, model=cfg.model, micro_batch_size=cfg.micro_batch_size,
-        global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, steps=cfg.steps,
-        check=False, out_dir=os.path.join(cfg.out_dir, lay.name()),
-    )  # fmt: skip
+        tp=lay.tp,
+        pp=lay.pp,
+        model=cfg.model,
+        micro_batch_size=cfg.micro_batch_size,
+        global_batch_size=cfg.global_batch_size,
+        seq_len=cfg.seq_len,
+        steps=cfg.steps,
+        check=False,
+        out_dir=os.path.join(cfg.out_dir, lay.name()),
+    )
     grid = ParallelGrid(dp=lay.dp, pp=lay.pp, tp=lay.tp)
     result = train_4d.run(run_cfg, info, grid)
     got = _max_over_ranks({**result["state"], **result["sent"]}, info.device)
@@ -115,17 +121,25 @@ def measure(cfg: Config, info, lay: layouts.Layout) -> dict:
         {
             **formulas.state_bytes(mcfg, lay, r),
             **formulas.comm_bytes(
-                mcfg, lay, r, micro_batch_size=cfg.micro_batch_size, microbatches=m,
+                mcfg,
+                lay,
+                r,
+                micro_batch_size=cfg.micro_batch_size,
+                microbatches=m,
                 seq_len=cfg.seq_len,
             ),
         }
         for r in range(lay.pp)
-    ]  # fmt: skip
+    ]
     want = {k: max(s[k] for s in per_stage) for k in per_stage[0]}
     idle = statistics.mean(result["idle"][1:]) if result["idle"] else 0.0
     step_s = statistics.median(result["times"][1:])
     row = dict(
-        layout=lay.name(), tp=lay.tp, pp=lay.pp, dp=lay.dp, microbatches=m,
+        layout=lay.name(),
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        microbatches=m,
         state_mb=(got["params"] + got["grads"] + got["optim"]) / MB,
         state_formula_mb=(want["params"] + want["grads"] + want["optim"]) / MB,
         **{f"{a}_mb": got[a] / MB for a in AXES},
@@ -133,7 +147,7 @@ def measure(cfg: Config, info, lay: layouts.Layout) -> dict:
         idle=dtl_dist.all_reduce_scalar(idle, average=True),
         bubble_formula=formulas.bubble(lay, m),
         step_ms=dtl_dist.all_reduce_scalar(step_s, average=True) * 1e3,
-    )  # fmt: skip
+    )
     row["tokens_per_s"] = cfg.global_batch_size * cfg.seq_len / (row["step_ms"] / 1e3)
     # every rank's own figures against its own stage's formulas (the columns show the maxima)
     row["exact"] = train_4d.measured_vs_formula(run_cfg, grid, result)[1]
@@ -207,18 +221,27 @@ def run_ratio(cfg: Config, info) -> None:
 
     lay = layouts.Layout.from_world(info.world_size, tp=cfg.tp, pp=cfg.pp)  # checked in validate
     common = dict(
-        model=cfg.model, micro_batch_size=cfg.micro_batch_size,
-        global_batch_size=cfg.global_batch_size, check=False,
-    )  # fmt: skip
+        model=cfg.model,
+        micro_batch_size=cfg.micro_batch_size,
+        global_batch_size=cfg.global_batch_size,
+        check=False,
+    )
     theirs = train_megatron.Config(
-        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        seq_length=cfg.seq_len, train_iters=cfg.steps,
-        out_dir=os.path.join(cfg.out_dir, "megatron"), **common,
-    )  # fmt: skip
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        seq_length=cfg.seq_len,
+        train_iters=cfg.steps,
+        out_dir=os.path.join(cfg.out_dir, "megatron"),
+        **common,
+    )
     ours = train_4d.Config(
-        tp=cfg.tp, pp=cfg.pp, seq_len=cfg.seq_len, steps=cfg.steps,
-        out_dir=os.path.join(cfg.out_dir, "ours"), **common,
-    )  # fmt: skip
+        tp=cfg.tp,
+        pp=cfg.pp,
+        seq_len=cfg.seq_len,
+        steps=cfg.steps,
+        out_dir=os.path.join(cfg.out_dir, "ours"),
+        **common,
+    )
     grid = ParallelGrid(dp=lay.dp, pp=lay.pp, tp=lay.tp)
     times = {"megatron": [], "ours": []}
     for _ in range(cfg.repeats):

@@ -95,9 +95,12 @@ class Config:
     def optim(self) -> OptimConfig:
         """Adam's settings (megatron decays the matrices only: its wd_mult 0 on the rest)."""
         return OptimConfig(
-            lr=self.lr, eps=self.adam_eps, weight_decay=self.weight_decay,
-            betas=(self.adam_beta1, self.adam_beta2), decay="matrices",
-        )  # fmt: skip
+            lr=self.lr,
+            eps=self.adam_eps,
+            weight_decay=self.weight_decay,
+            betas=(self.adam_beta1, self.adam_beta2),
+            decay="matrices",
+        )
 
     @property
     def microbatches(self) -> int:
@@ -148,21 +151,34 @@ class Config:
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
     """This DP rank's share of the step's global batch, cut into micro-batches of b rows."""
     return dp_micro_batches(
-        tokens, cfg.seq_length, cfg.global_batch_size // grid.dp_size, cfg.micro_batch_size,
-        step=step, seed=cfg.seed, dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
-    )  # fmt: skip
+        tokens,
+        cfg.seq_length,
+        cfg.global_batch_size // grid.dp_size,
+        cfg.micro_batch_size,
+        step=step,
+        seed=cfg.seed,
+        dp_rank=grid.dp_rank,
+        dp_size=grid.dp_size,
+        device=device,
+    )
 
 
 def build(cfg: Config, grid: ParallelGrid, device) -> mcore.Parts:
     """megatron-core's pieces for this config (mcore.build, every argument from the flags)."""
     vpp = cfg.layout.vpp
     return mcore.build(
-        cfg.model_config(), grid, device, optim=cfg.optim, clip_grad=cfg.clip_grad,
-        steps=cfg.train_iters, vpp=vpp if vpp > 1 else None,
+        cfg.model_config(),
+        grid,
+        device,
+        optim=cfg.optim,
+        clip_grad=cfg.clip_grad,
+        steps=cfg.train_iters,
+        vpp=vpp if vpp > 1 else None,
         sequence_parallel=cfg.sequence_parallel,
-        distributed_optimizer=cfg.use_distributed_optimizer, seed=cfg.seed,
+        distributed_optimizer=cfg.use_distributed_optimizer,
+        seed=cfg.seed,
         precision=PRECISIONS[cfg.precision],
-    )  # fmt: skip
+    )
 
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
@@ -196,9 +212,12 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
         dtl_dist.synchronize(info.device)
         t0 = time.perf_counter()
         loss, norm = mcore.train_step(
-            parts, forward_step, mbs, seq_length=cfg.seq_length,
+            parts,
+            forward_step,
+            mbs,
+            seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size,
-        )  # fmt: skip
+        )
         dtl_dist.synchronize(info.device)
         times.append(time.perf_counter() - t0)
         losses.append(dtl_dist.all_reduce_scalar(loss) / last_stage_ranks)
@@ -208,9 +227,14 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
     params = sum(p.numel() for c in chunks for p in c.parameters())
     full = gather_dense(chunks, cfg.model_config(), grid)
     return dict(
-        losses=losses, norms=norms, times=times, params=params, full=full, roundtrip=roundtrip,
+        losses=losses,
+        norms=norms,
+        times=times,
+        params=params,
+        full=full,
+        roundtrip=roundtrip,
         groups=dm.megatron_group_ranks(),
-    )  # fmt: skip
+    )
 
 
 # --- the report -----------------------------------------------------------------------------------

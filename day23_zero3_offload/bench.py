@@ -89,10 +89,14 @@ class Config:
 
 def _run_cfg(cfg: Config, template: str, tag: str, model: str | None = None) -> train.Config:
     return train.Config(
-        ds_config=template, model=model or cfg.model, seq_len=cfg.seq_len, steps=cfg.steps,
-        nvme_path=os.path.join(cfg.nvme_path, tag), check=False,
+        ds_config=template,
+        model=model or cfg.model,
+        seq_len=cfg.seq_len,
+        steps=cfg.steps,
+        nvme_path=os.path.join(cfg.nvme_path, tag),
+        check=False,
         out_dir=os.path.join(cfg.out_dir, tag),
-    )  # fmt: skip
+    )
 
 
 def _set(ds: dict, path: str, value) -> None:
@@ -165,13 +169,16 @@ def run_templates(cfg: Config, info, not_run: list[str]) -> list[dict]:
         got, want = predict.totals(r["where"]), predict.totals(r["pred"])
         rows.append(
             dict(
-                template=tag, step_ms=r["step_ms"],
+                template=tag,
+                step_ms=r["step_ms"],
                 **{f"{loc}_mb": got[loc] / MB for loc in predict.LOCATIONS},
                 **{f"{loc}_pred_mb": want[loc] / MB for loc in predict.LOCATIONS},
-                read_mb=r["read_mb"], read_pred_mb=r["pred"]["disk"]["read"] / MB,
-                write_mb=r["write_mb"], write_pred_mb=r["pred"]["disk"]["write"] / MB,
+                read_mb=r["read_mb"],
+                read_pred_mb=r["pred"]["disk"]["read"] / MB,
+                write_mb=r["write_mb"],
+                write_pred_mb=r["pred"]["disk"]["write"] / MB,
             )
-        )  # fmt: skip
+        )
         dtl_dist.print0(f"{tag}: {r['step_ms']:.0f} ms per step")
     base = rows[0]["step_ms"]
     for r in rows:
@@ -216,9 +223,14 @@ def run_keys(cfg: Config, info, not_run: list[str]) -> list[dict]:
         _set(ds, key, value)
         r, b = measure_run(cfg, info, rcfg, ds), baselines[template]
         row = dict(
-            template=template, key=key, base=before, value=value, step_ms=r["step_ms"],
-            base_ms=b["step_ms"], ratio=r["step_ms"] / b["step_ms"],
-        )  # fmt: skip
+            template=template,
+            key=key,
+            base=before,
+            value=value,
+            step_ms=r["step_ms"],
+            base_ms=b["step_ms"],
+            ratio=r["step_ms"] / b["step_ms"],
+        )
         for name, get in _KEY_BYTES.items():
             row[name], row[f"base_{name}"] = get(r), get(b)
         rows.append(row)
@@ -262,8 +274,14 @@ def run_fit(cfg: Config, info, not_run: list[str]) -> list[dict]:
             ds, info.world_size, budget, cpu_budget=8e9, widths=FIT_WIDTHS, depths=FIT_DEPTHS
         )
         n = sum(map(sum, predict.groups_by_formula(best))) if best else 0
-        rows.append(dict(template=name, n_layer=best.n_layer if best else 0,
-                         n_embd=best.n_embd if best else 0, params=n))  # fmt: skip
+        rows.append(
+            dict(
+                template=name,
+                n_layer=best.n_layer if best else 0,
+                n_embd=best.n_embd if best else 0,
+                params=n,
+            )
+        )
         dtl_dist.print0(
             f"{name}: largest fitting {budget / MB:.0f} MB per rank: "
             f"{best.n_layer} x {best.n_embd} ({n / 1e6:.1f} M parameters)"

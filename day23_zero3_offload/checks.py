@@ -24,8 +24,14 @@ from dtl.deepspeed import DsConfigError, check_sections, read_ds_config
 MiB = 1024**2
 MIN_AIO_BYTES = MiB  # deepspeed/runtime/swap_tensor/utils.py MIN_AIO_BYTES
 AIO_ALIGN = 1024  # AIO_ALIGNED_BYTES: swap files are padded to a multiple
-AIO_KEYS = {"block_size", "queue_depth", "intra_op_parallelism", "single_submit",
-            "overlap_events", "use_gds"}  # fmt: skip
+AIO_KEYS = {
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "single_submit",
+    "overlap_events",
+    "use_gds",
+}
 AIO_BLOCK_DEFAULT = 1048576
 STAGE3_ONLY = ("offload_param", "sub_group_size")  # plus every stage3_* key
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -67,8 +67,9 @@ class Config:
 def ds_config(template: str, world: int) -> dict:
     with open(template_path(template)) as f:
         ds = json.load(f)
-    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-              train_batch_size=world)  # fmt: skip
+    ds.update(
+        train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=world
+    )
     return ds
 
 
@@ -76,8 +77,9 @@ def simulate(model: GPTConfig, template: str, world: int) -> dict[str, dict[str,
     """Rank 0 of `world` under DeepSpeed with `template`: two steps, then where its bytes are."""
     deepspeed = import_deepspeed("cpu")
     with fake_world(world), deepspeed_under_fake_tensors(ds_config(template, world)) as ds:
-        engine, *_ = deepspeed.initialize(model=GPT(model, seed=0), config=ds,
-                                          dist_init_required=False)  # fmt: skip
+        engine, *_ = deepspeed.initialize(
+            model=GPT(model, seed=0), config=ds, dist_init_required=False
+        )
         x = torch.randint(0, model.vocab_size, (1, SEQ + 1), device=engine.device)
         peak = None
         for step in range(2):  # the first records the module trace DeepSpeed's prefetch follows
@@ -95,11 +97,20 @@ def template_rows(model_name: str, template: str, world: int) -> list[dict]:
     want = predict(ds_config(template, world), param_groups(model), world)
     seconds = time.perf_counter() - t0
     return [
-        dict(model=model_name, template=template, N=world, where=loc, kind=kind,
-             predicted=want[loc][kind], simulated=got[loc][kind], seconds=seconds)
-        for loc in ("device", "cpu") for kind in want[loc]
+        dict(
+            model=model_name,
+            template=template,
+            N=world,
+            where=loc,
+            kind=kind,
+            predicted=want[loc][kind],
+            simulated=got[loc][kind],
+            seconds=seconds,
+        )
+        for loc in ("device", "cpu")
+        for kind in want[loc]
         if want[loc][kind] or got[loc][kind]
-    ]  # fmt: skip
+    ]
 
 
 def fit_row(template: str, budget_gb: float, world: int = 8) -> dict:
@@ -113,10 +124,16 @@ def fit_row(template: str, budget_gb: float, world: int = 8) -> dict:
     want = totals(predict(ds, groups_by_formula(best), world))
     params = sum(map(sum, groups_by_formula(best)))
     return dict(
-        template=template, model=f"{best.n_layer} x {best.n_embd}", params=params,
-        predicted=want["device"], simulated=got["device"], cpu_predicted=want["cpu"],
-        cpu_simulated=got["cpu"], budget=budget_gb * GB, seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+        template=template,
+        model=f"{best.n_layer} x {best.n_embd}",
+        params=params,
+        predicted=want["device"],
+        simulated=got["device"],
+        cpu_predicted=want["cpu"],
+        cpu_simulated=got["cpu"],
+        budget=budget_gb * GB,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def gap(predicted: float, simulated: float) -> float:

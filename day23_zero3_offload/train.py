@@ -153,9 +153,14 @@ def micro_batches(tokens, cfg: Config, ds: dict, step: int, info) -> list:
     b = ds["train_micro_batch_size_per_gpu"]
     k = ds.get("gradient_accumulation_steps", 1)
     x, y = get_batch(
-        tokens, cfg.seq_len, b * k, seed=cfg.seed, step=step, dp_rank=info.rank,
+        tokens,
+        cfg.seq_len,
+        b * k,
+        seed=cfg.seed,
+        step=step,
+        dp_rank=info.rank,
         dp_size=info.world_size,
-    )  # fmt: skip
+    )
     return [
         (x[i : i + b].to(info.device), y[i : i + b].to(info.device)) for i in range(0, b * k, b)
     ]
@@ -224,10 +229,16 @@ def run(cfg: Config, info, ds: dict | None = None, engine=None) -> dict:
     log.close()
     peak.remove()  # the hooks sample every module; a later use of the engine runs without them
     return dict(
-        engine=engine, ds=ds, losses=losses, norms=norms, times=times, swapped=swapped,
+        engine=engine,
+        ds=ds,
+        losses=losses,
+        norms=norms,
+        times=times,
+        swapped=swapped,
         corpus=corpus,
-        where=measure.locations(engine, info.rank, peak), **states,
-    )  # fmt: skip
+        where=measure.locations(engine, info.rank, peak),
+        **states,
+    )
 
 
 def full_parameters(engine) -> dict[str, torch.Tensor]:
@@ -251,9 +262,11 @@ def report(cfg: Config, info, result: dict) -> bool:
         if pred[loc][k]
     )
     unexpected = [
-        f"{loc}.{k}" for loc in predict.LOCATIONS for k in predict.KINDS
+        f"{loc}.{k}"
+        for loc in predict.LOCATIONS
+        for k in predict.KINDS
         if where[loc][k] and not pred[loc][k]
-    ]  # fmt: skip
+    ]
     steady = result["swapped"][1:] or result["swapped"]
     disk = {k: sum(s[k] for s in steady) / len(steady) for k in ("read", "write")}
     want_disk = pred["disk"]
@@ -283,20 +296,33 @@ def _compare(cfg: Config, info, result: dict) -> Verdict:
     def one_process():
         norms: list[float] = []
         losses, gpt = one_process_gpt(
-            cfg.model_config(), result["corpus"].train, seq_len=cfg.seq_len,
-            rows=rows * info.world_size, steps=cfg.steps, seed=cfg.seed, lr=opt["lr"],
-            weight_decay=opt["weight_decay"], eps=opt["eps"], clip_grad=opt["clip"] or None,
+            cfg.model_config(),
+            result["corpus"].train,
+            seq_len=cfg.seq_len,
+            rows=rows * info.world_size,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            lr=opt["lr"],
+            weight_decay=opt["weight_decay"],
+            eps=opt["eps"],
+            clip_grad=opt["clip"] or None,
             grad_norms=norms,
-        )  # fmt: skip
+        )
         return losses, dict(gpt.named_parameters()), norms
 
     # the norms too: the templates clip at 1.0, and clipping plus Adam hide a constant factor.
     # At NORM_RTOL (dtl.reference.ADAM_NORM_RTOL), not 1e-5: Adam's divided rounding noise
     # moves the next norms more than the losses; a constant factor still shows.
     return reference_verdict(
-        result["losses"], full, one_process, steps=cfg.steps, device=info.device,
-        optimizer="AdamW", grad_norms=result["norms"], norm_rtol=NORM_RTOL,
-    )  # fmt: skip
+        result["losses"],
+        full,
+        one_process,
+        steps=cfg.steps,
+        device=info.device,
+        optimizer="AdamW",
+        grad_norms=result["norms"],
+        norm_rtol=NORM_RTOL,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

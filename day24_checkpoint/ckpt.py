@@ -105,8 +105,14 @@ class RunState(Stateful):
 class AppState(RunState):
     """Everything a resumed run needs, as one DCP-saveable object."""
 
-    def __init__(self, model, optimizer, scheduler=None, progress: Progress | None = None,
-                 restore_rng: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        optimizer,
+        scheduler=None,
+        progress: Progress | None = None,
+        restore_rng: bool = True,
+    ):
         super().__init__(scheduler, progress, restore_rng)
         self.model, self.optimizer = model, optimizer
 

@@ -221,9 +221,13 @@ class Drills:
                     f.seek(-1, 1)
                     f.write(bytes([byte[0] ^ 0xFF]))
             proc = self.run_module(
-                "day24_checkpoint.train", f"--out_dir={root}", *self.common[:3],
-                "--resume=latest", env=self.env, timeout_s=120,
-            )  # fmt: skip
+                "day24_checkpoint.train",
+                f"--out_dir={root}",
+                *self.common[:3],
+                "--resume=latest",
+                env=self.env,
+                timeout_s=120,
+            )
             lines = proc.stderr.strip().splitlines()
             results[damage] = dict(
                 code=proc.code,

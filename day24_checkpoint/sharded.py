@@ -109,9 +109,13 @@ class StackState(RunState):
         size = list(local.shape)
         size[dim] *= self.mesh.size()
         return DTensor.from_local(
-            local, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(size),
+            local,
+            self.mesh,
+            [Shard(dim)],
+            run_check=False,
+            shape=torch.Size(size),
             stride=_contiguous_stride(size),
-        )  # fmt: skip
+        )
 
 
 def full_state(app: StackState) -> dict[str, torch.Tensor]:

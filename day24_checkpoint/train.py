@@ -125,9 +125,14 @@ def build_tp(cfg: Config, info):
 
     grid = ParallelGrid(tp=TP, dp=info.world_size // TP)
     stack = build_stack(
-        cfg.model_config(), grid, micro_batch_size=cfg.global_batch // grid.dp_size,
-        microbatches=1, seq_len=cfg.seq_len, seed=cfg.seed, device=info.device,
-    )  # fmt: skip
+        cfg.model_config(),
+        grid,
+        micro_batch_size=cfg.global_batch // grid.dp_size,
+        microbatches=1,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        device=info.device,
+    )
     stack.optimizer = torch.optim.AdamW(stack.params, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(stack.optimizer, _schedule(cfg))
     return stack, sched

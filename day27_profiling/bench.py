@@ -59,9 +59,20 @@ RANGES = {  # run -> named ranges (dtl.profile.range, in the lesson's code) its 
     "ddp_bucket": [*_DDP, "all_reduce bucket 1", "wait all_reduce"],
     # 1F1B at p = 2, m = 8: every action by its schedule name; rank 0 sends activations and
     # receives gradients, rank 1 the reverse; the tied embedding's all-reduce on both
-    "pp_1f1b": [*_STEP, "F0", "F7", "B0", "B7", "send F0", "recv F0", "send B7", "recv B7",
-                "all_reduce tied embedding", "wait send"],
-}  # fmt: skip
+    "pp_1f1b": [
+        *_STEP,
+        "F0",
+        "F7",
+        "B0",
+        "B7",
+        "send F0",
+        "recv F0",
+        "send B7",
+        "recv B7",
+        "all_reduce tied embedding",
+        "wait send",
+    ],
+}
 
 
 def missing_ranges(name: str, trace_dir: str, ranks=(0, 1)) -> list[str]:

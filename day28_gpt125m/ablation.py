@@ -97,14 +97,16 @@ def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
     opt = make_adamw(gpt, r, fused=fused, foreach=foreach)
     model = torch.compile(gpt) if compiled else gpt
     # the first step allocates, selects kernels, and (compile) compiles: left out of the timing
-    times, losses = timed_steps(model, opt, r, tokens, cfg.seq_len, cfg.batch_size,
-                                steps=cfg.steps, warmup=1)  # fmt: skip
+    times, losses = timed_steps(
+        model, opt, r, tokens, cfg.seq_len, cfg.batch_size, steps=cfg.steps, warmup=1
+    )
     params = {n: p.detach().clone() for n, p in gpt.named_parameters()}  # after the last step
     return dict(ms=statistics.median(times) * 1e3, losses=losses, params=params)
 
 
-def timed_steps(model, opt, r: Recipe, tokens, seq_len: int, batch_size: int, *, steps: int,
-                warmup: int) -> tuple[list[float], list[float]]:  # fmt: skip
+def timed_steps(
+    model, opt, r: Recipe, tokens, seq_len: int, batch_size: int, *, steps: int, warmup: int
+) -> tuple[list[float], list[float]]:
     """`warmup + steps` training steps on dtl.data.get_batch rows (seed 0, one row set per
     step); returns the seconds of the last `steps` (the device synchronized around each) and
     every step's loss."""
@@ -145,9 +147,15 @@ def main(argv: list[str] | None = None) -> None:
             continue
         m = measure(cfg, variant, tokens, info.device)
         base = next((r for r in rows if r["group"] == group), None)
-        rows.append(dict(group=group, variant=name.split(": ")[1], ms=m["ms"],
-                         speedup=(base["ms"] / m["ms"]) if base else 1.0,
-                         final_loss=m["losses"][-1]))  # fmt: skip
+        rows.append(
+            dict(
+                group=group,
+                variant=name.split(": ")[1],
+                ms=m["ms"],
+                speedup=(base["ms"] / m["ms"]) if base else 1.0,
+                final_loss=m["losses"][-1],
+            )
+        )
         dtl_dist.print0(f"{name}: {m['ms']:.0f} ms per step, final loss {m['losses'][-1]:.5f}")
     dtl_dist.print0(f"{'group':<11}{'variant':<16}{'ms/step':>9}{'speed-up':>10}{'loss':>10}")
     for r in rows:

@@ -63,8 +63,9 @@ def tokens_per_s(cfg: Config, b: int, tokens, device) -> float | None:
     opt = make_adamw(gpt, Recipe(), fused=True)
     model = torch.compile(gpt) if cfg.compile else gpt
     try:  # 3 warm-up steps: allocation, kernel selection, compilation
-        times, _ = timed_steps(model, opt, Recipe(precision="bf16"), tokens, cfg.seq_len, b,
-                               steps=cfg.steps, warmup=3)  # fmt: skip
+        times, _ = timed_steps(
+            model, opt, Recipe(precision="bf16"), tokens, cfg.seq_len, b, steps=cfg.steps, warmup=3
+        )
     except torch.cuda.OutOfMemoryError:
         return None
     finally:

@@ -115,8 +115,9 @@ class StepBatches(Dataset):
     """Item `step` = this DP rank's (x, y) of that step, (rows, seq_len) int64 each: the rows
     dtl.data.get_batch would give for the same tokens, seed, step and DP coordinates."""
 
-    def __init__(self, data: ShardedTokens, seq_len: int, rows: int, *, dp_rank: int,
-                 dp_size: int, seed: int):  # fmt: skip
+    def __init__(
+        self, data: ShardedTokens, seq_len: int, rows: int, *, dp_rank: int, dp_size: int, seed: int
+    ):
         self.data, self.seq_len, self.rows = data, seq_len, rows
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
 

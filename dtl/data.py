@@ -301,10 +301,18 @@ def split_micro_batches(
     ]
 
 
-def dp_micro_batches(tokens: np.ndarray | torch.Tensor, seq_len: int, rows: int, micro: int, *,
-                     step: int, seed: int, dp_rank: int, dp_size: int,
-                     device: torch.device | str | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def dp_micro_batches(
+    tokens: np.ndarray | torch.Tensor,
+    seq_len: int,
+    rows: int,
+    micro: int,
+    *,
+    step: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+    device: torch.device | str | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This DP rank's `rows` sequences of the step's global batch (get_batch), cut into
     micro-batches of `micro` rows on `device`: what a pipeline or an accumulating rank runs."""
     x, y = get_batch(

@@ -144,8 +144,10 @@ def start(ex: er.Exercise) -> str:
     er.write_bodies(ex, now.stubs)
     _record(ex, status="started")
     where = ", ".join(dict.fromkeys(r.path for r in er.regions_of(ex)))
-    return f"{ex.id} started: write the region(s) in {where} (about {ex.lines} lines); " \
-        f"then `python -m dtl.exercise grade {ex.id}`"  # fmt: skip
+    return (
+        f"{ex.id} started: write the region(s) in {where} (about {ex.lines} lines); "
+        f"then `python -m dtl.exercise grade {ex.id}`"
+    )
 
 
 def reset(ex: er.Exercise) -> str:
@@ -196,8 +198,18 @@ def run_graders(
     """Run pytest on `graders` (node ids) and fold its cases into one result per grader."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "graders.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={xml}", "-o", "addopts=", *graders]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            "-o",
+            "addopts=",
+            *graders,
+        ]
         run_env = {**os.environ, **GRADING_ENV, **(env or {})}
         proc = subprocess.run(
             cmd, cwd=er.ROOT, env=run_env, capture_output=True, text=True, timeout=timeout_s
@@ -261,8 +273,10 @@ def grade(ex: er.Exercise, impl: str | None = None) -> tuple[bool, list[str]]:
     env = {IMPL_ENV: f"{ex.id}={impl}"} if impl else {}
     start_s = time.monotonic()
     results = run_graders(ex.graders, env)
-    lines = [f"{r.outcome.upper():5} {r.grader}" + (f"\n      {r.message}" if r.message else "")
-             for r in results]  # fmt: skip
+    lines = [
+        f"{r.outcome.upper():5} {r.grader}" + (f"\n      {r.message}" if r.message else "")
+        for r in results
+    ]
     ok = all(r.outcome == "pass" for r in results)
     lines.append(f"{ex.id}: {'passed' if ok else 'not yet'} ({time.monotonic() - start_s:.0f} s)")
     _record(ex, last_grade="pass" if ok else "fail")
@@ -285,8 +299,10 @@ def progress_lines(exercises: dict[str, er.Exercise]) -> list[str]:
     progress = _progress()
     passed = [i for i in exercises if progress.get(i, {}).get("last_grade") == "pass"]
     shown = [i for i in exercises if progress.get(i, {}).get("status") == "solution shown"]
-    lines = [f"{len(passed)} of {len(exercises)} exercises passed their graders; "
-             f"{len(shown)} with the solution shown"]  # fmt: skip
+    lines = [
+        f"{len(passed)} of {len(exercises)} exercises passed their graders; "
+        f"{len(shown)} with the solution shown"
+    ]
     for eid, record in sorted(progress.items()):
         if eid in exercises:
             lines.append(f"  {eid:32} {record.get('last_grade', 'not graded'):10} {record['at']}")
@@ -295,8 +311,9 @@ def progress_lines(exercises: dict[str, er.Exercise]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["list", "start", "hint", "grade", "reset",
-                                             "solution", "progress"])  # fmt: skip
+    parser.add_argument(
+        "command", choices=["list", "start", "hint", "grade", "reset", "solution", "progress"]
+    )
     parser.add_argument("id", nargs="?", help="the exercise, e.g. day19.column_row_forward")
     parser.add_argument("--impl", help="grade: take the marked functions from this module")
     args = parser.parse_args(argv)
@@ -316,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(lines))
             return 0 if ok else 1
         action: Callable[[er.Exercise], str] = {
-            "start": start, "reset": reset, "solution": solution,
-            "hint": lambda e: f"{e.id}: {e.hint}"}[args.command]  # fmt: skip
+            "start": start,
+            "reset": reset,
+            "solution": solution,
+            "hint": lambda e: f"{e.id}: {e.hint}",
+        }[args.command]
         print(action(ex))
         return 0
     except er.ExerciseError as e:

@@ -116,8 +116,10 @@ def prove_one(exercises: dict[str, er.Exercise], ex: er.Exercise) -> tuple[bool,
         for g in other.graders:
             if results[g].outcome not in ("pass", "skip"):
                 ok = False
-                lines.append(f"  {g} ({other.id}) breaks without declaring needs {ex.id}: "
-                             f"{results[g].message}")  # fmt: skip
+                lines.append(
+                    f"  {g} ({other.id}) breaks without declaring needs {ex.id}: "
+                    f"{results[g].message}"
+                )
     took = time.monotonic() - start
     head = f"{'ok  ' if ok else 'FAIL'} {ex.id}: stub fails {len(ex.graders)} grader(s)"
     return ok, [f"{head}, {len(others)} other exercise(s) unaffected ({took:.0f} s)", *lines]

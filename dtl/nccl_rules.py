@@ -36,10 +36,25 @@ REPO = Path(__file__).resolve().parent.parent
 
 # torch functions that make a tensor from sizes or data: they default to the CPU
 FACTORIES = {
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-    "randint", "randperm", "linspace", "logspace", "eye", "empty_strided", "from_numpy",
-    "frombuffer", "scalar_tensor",
-}  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "logspace",
+    "eye",
+    "empty_strided",
+    "from_numpy",
+    "frombuffer",
+    "scalar_tensor",
+}
 HOST_COMMENT = re.compile(r"#\s*host\b")
 
 

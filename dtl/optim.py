@@ -78,9 +78,12 @@ class OptimConfig:
     def megatron_kwargs(self) -> dict[str, float]:
         """megatron-core's OptimizerConfig fields (it decays matrices only, its own rule)."""
         return dict(
-            lr=self.lr, weight_decay=self.weight_decay, adam_eps=self.eps,
-            adam_beta1=self.betas[0], adam_beta2=self.betas[1],
-        )  # fmt: skip
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            adam_eps=self.eps,
+            adam_beta1=self.betas[0],
+            adam_beta2=self.betas[1],
+        )
 
 
 def optimizer_groups(

@@ -126,9 +126,16 @@ def one_process_gpt(
         return get_batch(tokens, seq_len, rows, seed=seed, step=step)
 
     losses = reference_train(
-        gpt, batch, opt, steps, clip_grad=clip_grad, grad_norms=grad_norms, lr_at=lr_at,
-        noise_steps=noise_steps, noise_floor=ADAM_NOISE_EPS * eps,
-    )  # fmt: skip
+        gpt,
+        batch,
+        opt,
+        steps,
+        clip_grad=clip_grad,
+        grad_norms=grad_norms,
+        lr_at=lr_at,
+        noise_steps=noise_steps,
+        noise_floor=ADAM_NOISE_EPS * eps,
+    )
     return losses, gpt
 
 
@@ -243,15 +250,18 @@ class Verdict:
         short: Callable[[float], str] = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731
         norm_tol = self.rtol if self.norm_rtol is None else self.norm_rtol
         norms = (
-            "" if self.norm_rel is None
+            ""
+            if self.norm_rel is None
             else f"grad norms max rel diff {self.norm_rel:.1e}, rtol {short(norm_tol)}; "
-        )  # fmt: skip
+        )
         counts = f"; {self.counts}" if self.counts else ""
         noisy = (
             f" (and {self.noisy} element{'s' if self.noisy > 1 else ''} whose gradient was "
             f"rounding noise: up to {self.noisy_gap:.1e} apart, within AdamW's bound "
-            f"{self.noisy_allowance:.1e})" if self.noisy else ""
-        )  # fmt: skip
+            f"{self.noisy_allowance:.1e})"
+            if self.noisy
+            else ""
+        )
         return (
             f"losses match {self.what} {'yes' if self.ok else 'NO'} (max rel diff "
             f"{self.loss_rel:.1e}, rtol {short(self.rtol)}; {norms}params max |diff| "
@@ -326,11 +336,21 @@ def reference_verdict(
     norm_tol = rtol if norm_rtol is None else norm_rtol
     ok = loss_rel <= rtol and gap <= atol and norm_rel <= norm_tol and not counts
     return Verdict(
-        ok=ok, loss_rel=loss_rel, params_gap=gap, rtol=rtol, steps=steps, what=what,
-        optimizer=optimizer, norm_rel=None if norm_rel < 0 else norm_rel, atol=atol,
-        norm_rtol=norm_rtol, counts=counts, noisy=int(noisy), noisy_gap=noisy_gap,
+        ok=ok,
+        loss_rel=loss_rel,
+        params_gap=gap,
+        rtol=rtol,
+        steps=steps,
+        what=what,
+        optimizer=optimizer,
+        norm_rel=None if norm_rel < 0 else norm_rel,
+        atol=atol,
+        norm_rtol=norm_rtol,
+        counts=counts,
+        noisy=int(noisy),
+        noisy_gap=noisy_gap,
         noisy_allowance=noisy_allowance,
-    )  # fmt: skip
+    )
 
 
 def _params_gaps(
@@ -356,10 +376,19 @@ def _params_gaps(
     return max(beyond, 0.0), float(noisy), noisy_gap, noisy_allowance
 
 
-def dense_verdict(losses: Sequence[float], params: dict[str, torch.Tensor],
-                  model_cfg: GPTConfig, tokens: np.ndarray | torch.Tensor, *, seq_len: int,
-                  rows: int, steps: int, device: torch.device | str, check: bool = True,
-                  **gpt_kwargs: Any) -> Verdict:  # fmt: skip
+def dense_verdict(
+    losses: Sequence[float],
+    params: dict[str, torch.Tensor],
+    model_cfg: GPTConfig,
+    tokens: np.ndarray | torch.Tensor,
+    *,
+    seq_len: int,
+    rows: int,
+    steps: int,
+    device: torch.device | str,
+    check: bool = True,
+    **gpt_kwargs: Any,
+) -> Verdict:
     """A model-parallel run (TP, SP, CP) against the dense model: rank 0 trains
     one_process_gpt(model_cfg, tokens, ...) (AdamW at its default betas) on the global batch and
     compares its losses and parameters (named_parameters(), a tied weight once) with the run's,

@@ -30,9 +30,20 @@ IDEA_CHARS = 80  # a day's idea is one short line of the README's map
 SKIP_PREFIX = "skipped:"
 # the overrides a lesson line's smoke_args may make: how much it computes, never what
 SIZE_KEYS = (
-    "model", "seq_len", "steps", "epochs", "reps", "iters", "micro_batch_size", "vocab_size",
-    "max_bytes", "models", "fit_budget_gb", "seqs", "train_iters",
-)  # fmt: skip
+    "model",
+    "seq_len",
+    "steps",
+    "epochs",
+    "reps",
+    "iters",
+    "micro_batch_size",
+    "vocab_size",
+    "max_bytes",
+    "models",
+    "fit_budget_gb",
+    "seqs",
+    "train_iters",
+)
 
 
 @dataclass
@@ -223,9 +234,14 @@ def execute(
     start = time.monotonic()
     if prewarmed and words[0] == "torchrun":
         done = script_server.run_script(
-            "torch.distributed.run", *words[1:], argv0="torchrun", env=run_env(),
-            cwd=REPO_ROOT, timeout_s=limit, merge=True,
-        )  # fmt: skip
+            "torch.distributed.run",
+            *words[1:],
+            argv0="torchrun",
+            env=run_env(),
+            cwd=REPO_ROOT,
+            timeout_s=limit,
+            merge=True,
+        )
         output, code = done.stdout, done.code
     else:
         output, code = _launch(line, limit)

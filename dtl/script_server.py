@@ -183,9 +183,14 @@ def run_script(
     """`python -m module args` as a fork of the server (started on first use, one per process):
     `env` is the whole environment (default: this process's), `merge` sends stderr to stdout."""
     case = dict(
-        module=module, argv=list(args), argv0=argv0 or module, env=dict(env or os.environ),
-        cwd=cwd, timeout_s=timeout_s, merge=merge,
-    )  # fmt: skip
+        module=module,
+        argv=list(args),
+        argv0=argv0 or module,
+        env=dict(env or os.environ),
+        cwd=cwd,
+        timeout_s=timeout_s,
+        merge=merge,
+    )
     server = _server_process()
     assert server.stdin is not None and server.stdout is not None  # both are pipes
     try:
@@ -220,10 +225,14 @@ def run_fresh(
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=cwd, env=dict(env or os.environ),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-            text=True, timeout=timeout_s,
-        )  # fmt: skip
+            [sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=dict(env or os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            text=True,
+            timeout=timeout_s,
+        )
         code, out, err = proc.returncode, proc.stdout, proc.stderr or ""
     except subprocess.TimeoutExpired as e:
         code, out, err = 124, _text(e.stdout), _text(e.stderr)

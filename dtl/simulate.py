@@ -164,19 +164,29 @@ def deepspeed_under_fake_tensors(ds: dict[str, Any]) -> Iterator[dict[str, Any]]
             "params": {**ds["optimizer"]["params"], "torch_adam": True},
         },
     }
-    env = dict(RANK=str(dist.get_rank()), LOCAL_RANK="0", WORLD_SIZE=str(dist.get_world_size()),
-               LOCAL_WORLD_SIZE="1")  # fmt: skip
+    env = dict(
+        RANK=str(dist.get_rank()),
+        LOCAL_RANK="0",
+        WORLD_SIZE=str(dist.get_world_size()),
+        LOCAL_WORLD_SIZE="1",
+    )
     saved_env = {k: os.environ.get(k) for k in env}
     build = DeepSpeedEngine.__init__
     optimizer = stage3.DeepSpeedZeroOptimizer_Stage3
     patches = [
-        (DeepSpeedEngine, "__init__",
-         lambda self, *a, **k: build(self, *a, **{**k, "dont_change_device": True})),
+        (
+            DeepSpeedEngine,
+            "__init__",
+            lambda self, *a, **k: build(self, *a, **{**k, "dont_change_device": True}),
+        ),
         (stage3, "is_invalid_grad_norm", lambda norm: False),
-        (optimizer, "complete_grad_norm_calculation_for_cpu_offload",
-         lambda self, params: torch.zeros(())),  # host: a norm nothing reads, in a fake world
+        (
+            optimizer,
+            "complete_grad_norm_calculation_for_cpu_offload",
+            lambda self, params: torch.zeros(()),  # host: a norm nothing reads, in a fake world
+        ),
         (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", lambda ints: None),
-    ]  # fmt: skip
+    ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     # ZeRO-3 replaces torch.nn.functional.linear with its own autograd Function for good ("This
     # will persist unless manually reset"): put torch's back, or every later nn.Linear in this
