@@ -4,7 +4,7 @@ ParallelGrid(dp, pp, cp, tp).
 
     stack = build_stack(cfg, grid, micro_batch_size=1, microbatches=4, seq_len=32)
     loss = forward_backward(stack, micro_batches)     # grads in the parameters, per rank
-    sync_gradients(stack)                             # DP: averaged over dp x cp
+    sync_gradients(stack)                             # DP: each over its reduction axes
     norm = clip_gradients(stack, 1.0)                 # the dense model's norm, from the shards
     stack.optimizer.step(); stack.optimizer.zero_grad(set_to_none=True)
 
@@ -16,8 +16,11 @@ The order and what each step leaves for the next:
                            batch row is cut into this rank's T/cp tokens and their positions
     4. apply_pp (day 20)   the model is cut into this rank's stages; a schedule's action list
                            runs every micro-batch's forward and backward, p2p between stages
-    5. DP                  every gradient averaged over dp x cp (dtl.dist.average_gradients),
-                           once per step, after the pipeline's last backward
+    5. DP                  every gradient averaged over the axes its parameter's record names
+                           (dp x cp for all of them), once per step, after the last backward
+The reduction table (dtl.reduction, `stack.reduction`) says, parameter by parameter, which grid
+axes hold its replicas, its pieces and its stages: the DP average, the global norm and the full
+state read it, never a parameter's name.
 Two combinations are refused: CP or SP under PP. Day 20's runner allocates (B, T, C) receive
 buffers and passes no position ids, so a stage cannot take T/cp (or T/tp) tokens; megatron-core
 (train_megatron.py) runs SP with PP.
@@ -41,8 +44,9 @@ from dtl import simulate
 from dtl.dist import average_gradients
 from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, GPTConfig, loss_fn, tp_shard_of
+from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.optim import OptimConfig
+from dtl.reduction import ReductionTable, gpt_reductions
 from dtl.state import StateBytes, live_state_bytes
 
 # Megatron's AdamW: decay on the matrices only, at 0.1 (the stack's default)
@@ -58,6 +62,7 @@ class Stack:
     named: dict  # one-process name -> parameter, this rank's (a tied lm_head under its name)
     loss: Callable  # (logits, targets) -> mean loss: vocab-parallel under TP
     optimizer: torch.optim.Optimizer
+    reduction: ReductionTable  # name -> the grid axes of its replicas, pieces and stages
     record: object = None  # the pipeline's StepRecord of the last step (spans, in-flight)
 
 
@@ -103,6 +108,7 @@ def build_stack(
     if grid.pp_size == 1:  # (under PP, cp = 1: nothing to do)
         apply_cp(gpt, grid, attn)  # cp = 1: the fused kernel stays; it only records model.cp
     loss = (lambda logits, y: tp_loss(gpt, logits, y)) if grid.tp_size > 1 else loss_fn
+    reduction = gpt_reductions(gpt)  # the whole model's names, before a pipeline cuts it
     pipeline = None
     if grid.pp_size > 1:
         pipeline = apply_pp(
@@ -114,7 +120,7 @@ def build_stack(
         named = dict(gpt.named_parameters(remove_duplicate=False))
         params = list(gpt.parameters())
     optimizer = optim.make(params)
-    return Stack(grid, gpt, pipeline, params, named, loss, optimizer)
+    return Stack(grid, gpt, pipeline, params, named, loss, optimizer, reduction)
 
 
 def stack_state_bytes(stack: Stack) -> StateBytes:
@@ -141,41 +147,45 @@ def forward_backward(stack: Stack, micro_batches) -> float | None:
 
 
 def sync_gradients(stack: Stack) -> int:
-    """DP: each gradient averaged over every rank that holds the same parameters and saw other
-    tokens (dp x cp: CP ranks saw other parts of the same rows). Returns the bytes reduced."""
-    return average_gradients(stack.params, stack.grid.group("dp", "cp"))
+    """DP: each gradient averaged over the ranks that hold its replicas and saw other tokens,
+    the axes its record names (dp x cp for every GPT parameter: CP ranks saw other parts of the
+    same rows); one all-reduce per set of axes. Returns the bytes reduced."""
+    groups = stack.reduction.average_groups(stack.named)  # axes -> this rank's parameters
+    return sum(
+        average_gradients(params, stack.grid.group(*axes))
+        for axes, params in groups.items()
+        if axes  # (a parameter with no replica to average with: nothing to send)
+    )
 
 
 @exercise("day22.grad_norm")
 def _counted_once(name: str, stack: Stack) -> bool:
-    """Does this rank's copy of `name` enter the global gradient norm? TP shards: yes, on every
-    TP rank; replicated tensors (LayerNorms, wpe, row-parallel biases): on TP rank 0 only; a last
-    stage's copy of a tied embedding: no (the first stage's wte stands for both). Megatron's
-    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`. `name` is the
-    one-process name ("blocks.0.mlp.c_proj.bias"); dtl.model.tp_shard_of(module name) is the TP
-    plan's Shard (style "column", "row" or "vocab") or None for a replicated module."""
+    """Does this rank's copy of `name` enter the global gradient norm? `stack.reduction[name]`
+    (a dtl.reduction.Reduction) says how the tensor lies on the grid: `shard` and `stage` axes
+    hold other numbers (count it on every rank along them), `replica` axes hold the same tensor
+    (count it where this rank's coordinate is 0: `stack.grid.coords[axis]`), and a `copy_of`
+    another parameter (a tied lm_head) never counts: that one stands for both. Megatron's
+    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`."""
     # exercise day22.grad_norm: begin
-    if name == "lm_head.weight" and stack.gpt.cfg.tie_weights:
-        return False  # wte.weight itself, or a last stage's copy of it
-    module_name, _, kind = name.rpartition(".")
-    shard = tp_shard_of(module_name) if stack.grid.tp_size > 1 else None
-    sharded = shard is not None and not (shard.style == "row" and kind == "bias")
-    return sharded or stack.grid.tp_rank == 0
+    record = stack.reduction[name]
+    at_first = all(stack.grid.coords[axis] == 0 for axis in record.replica)
+    return record.copy_of is None and at_first
     # exercise day22.grad_norm: end
 
 
 @exercise("day22.grad_norm")
 def global_grad_norm(stack: Stack) -> float:
     """The dense model's gradient norm, computed from the shards: squares summed on each rank
-    over the tensors it counts once, then all-reduced over tp x pp (the model-parallel group:
-    the DP and CP ranks hold copies of the same averaged gradients). `stack.named` maps each
-    one-process name to this rank's parameter; sum in float64. -> a float, on every rank"""
+    over the tensors it counts once, then all-reduced over the table's norm axes
+    (`stack.reduction.norm_axes`: tp x pp, Megatron's model-parallel group; the DP and CP ranks
+    hold copies of the same averaged gradients). `stack.named` maps each one-process name to
+    this rank's parameter; sum in float64. -> a float, on every rank"""
     # exercise day22.grad_norm: begin
     sq = torch.zeros(1, dtype=torch.float64, device=stack.params[0].device)
     for name, p in stack.named.items():
         if p.grad is not None and _counted_once(name, stack):
             sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=stack.grid.group("tp", "pp"))
+    dist.all_reduce(sq, group=stack.grid.group(*stack.reduction.norm_axes))
     return sq.sqrt().item()
     # exercise day22.grad_norm: end
 
@@ -195,21 +205,25 @@ def clip_gradients(stack: Stack, max_norm: float | None) -> float:
 
 def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
     """name -> the full dense tensor (or gradient), on every rank, keyed as the one-process GPT's
-    state dict (a tied lm_head.weight is wte.weight): TP shards all-gathered per stage, then the
-    stages' tensors all-gathered over the pipeline. Collective."""
+    state dict (a tied lm_head.weight is wte.weight). The table says what to gather: pieces over
+    its shard axes (day 19's full_tensors joins them by the TP plan), then the tensors of its
+    stage axes merged; a copy is dropped and given its source's tensor. Collective."""
+    table, grid = stack.reduction, stack.grid
     modules = stack.pipeline.stages if stack.pipeline is not None else [stack.gpt]
     mine: dict[str, torch.Tensor] = {}
     for m in modules:
-        if stack.grid.tp_size > 1:
+        if grid.group_size(*table.shard_axes) > 1:  # pieces on several ranks: joined
             part = full_tensors(m, grads=grads)
         else:
             part = {n: (p.grad if grads else p).detach() for n, p in m.named_parameters()}
         mine.update({n: t.cpu().clone() for n, t in part.items()})
-    if stack.gpt.cfg.tie_weights and "wte.weight" not in mine:
-        mine.pop("lm_head.weight", None)  # a last stage's copy of the tied weight
-    pieces: list = [None] * stack.grid.pp_size
-    dist.all_gather_object(pieces, mine, group=stack.grid.pp_group)
+    copies = table.copies()  # name -> its source (a last stage's copy of the tied weight)
+    mine = {n: t for n, t in mine.items() if n not in copies}
+    pieces: list = [mine]
+    if table.stage_axes:  # each rank along them holds other tensors: every rank's dict
+        stages = grid.group(*table.stage_axes)
+        pieces = [None] * dist.get_world_size(stages)
+        dist.all_gather_object(pieces, mine, group=stages)
     merged = {k: v for piece in pieces for k, v in piece.items()}
-    if stack.gpt.cfg.tie_weights:  # as a state dict lists it: lm_head.weight is wte.weight
-        merged["lm_head.weight"] = merged["wte.weight"]
+    merged.update({n: merged[src] for n, src in copies.items()})  # as a state dict lists it
     return merged

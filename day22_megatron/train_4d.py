@@ -140,8 +140,9 @@ def axis_groups(stack) -> dict[str, list]:
         "tp": [grid.tp_group],
         "cp": [grid.cp_group],
         "pp": pp,
-        "dp": [grid.group("dp", "cp")],
-        "norm": [grid.group("tp", "pp")],  # the clip's global norm (stack.global_grad_norm)
+        # the DP average and the clip's global norm: the groups the reduction table names
+        "dp": [grid.group(*axes) for axes in stack.reduction.average_axes],
+        "norm": [grid.group(*stack.reduction.norm_axes)],
     }
 
 

@@ -32,6 +32,7 @@ from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, loss_fn, preset, shard_tensor, tp_shard_of
+from dtl.reduction import gpt_reductions
 from dtl.reference import one_process_gpt
 from dtl.testing import needs_extras, run_distributed, script_error
 
@@ -240,10 +241,9 @@ def test_our_4d_stack_dp2_pp2_tp2_equals_one_process_at_8_ranks(tmp_path):
 def test_grad_norm_counts_each_tensor_once():
     # a replicated tensor counted on every TP rank, or the tied copy on the last stage, would
     # inflate the norm: the rule, name by name, on a TP rank 1 that also holds the last stage
-    class Grid:
-        tp_size, tp_rank = 2, 1
-
-    s = stack.Stack(Grid(), GPT(preset("tiny")), None, [], {}, loss_fn, None)
+    grid = ParallelGrid(tp=2, pp=2, world_size=4, rank=3)  # pp 1, tp 1: no process group
+    gpt = GPT(preset("tiny"))
+    s = stack.Stack(grid, gpt, None, [], {}, loss_fn, None, gpt_reductions(gpt))
     assert stack._counted_once("blocks.0.attn.c_attn.weight", s)  # a column shard
     assert stack._counted_once("blocks.0.attn.c_attn.bias", s)  # split with its rows
     assert stack._counted_once("blocks.0.mlp.c_proj.weight", s)  # a row shard
@@ -295,7 +295,8 @@ def _norms_of_hand_cut_grads():
             for n, g in _rank_tensors(gpt, grid, grads=True).items():
                 named[n] = torch.nn.Parameter(torch.zeros_like(g))
                 named[n].grad = g.clone()
-            s = stack.Stack(grid, gpt, None, list(named.values()), named, loss_fn, None)
+            table = gpt_reductions(gpt)
+            s = stack.Stack(grid, gpt, None, list(named.values()), named, loss_fn, None, table)
             out[name, tie] = stack.global_grad_norm(s), dense.sqrt().item()
     return out
 
@@ -414,7 +415,7 @@ VALIDATED = [  # train_megatron's validate(): where megatron-core is installed (
         ["--tensor-model-parallel-size=4"],
         "2 attention heads do not split over tp 4",
     ),
-    (train_megatron, ["--precision=bf16"], "--precision=bf16 is for GPUs here"),
+    (train_megatron, ["--precision=bf16"], "megatron-core trains bf16 on cuda only"),
 ]
 WITHOUT_MEGATRON = [  # our stack's checks, and a value the parser refuses before validate()
     (train_4d, ["--pp=2", "--cp=2"], "this stack runs CP and SP without PP only"),

@@ -59,6 +59,25 @@ def test_pipeline_neighbours_stages_and_embedding_ranks():
     assert ParallelGrid(dp=2, world_size=2, rank=1).embedding_ranks() == [1]  # pp = 1
 
 
+def test_a_fifth_axis_is_one_declaration_and_every_table_follows_it():
+    # "ep" between dp and cp: the rank table is view(pp, dp, ep, cp, tp) = (1, 2, 2, 1, 2)
+    axes = ("pp", "dp", "ep", "cp", "tp")
+    grid = ParallelGrid(dp=2, tp=2, ep=2, axes=axes, world_size=8, rank=5)
+    assert grid.ranks.shape == (1, 2, 2, 1, 2) and grid.ranks[0, 1, 0, 0, 1] == 5
+    assert grid.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.group_ranks("ep", "dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid.ranks_along("tp", "ep") == [4, 5, 6, 7]
+    assert (grid.dp_rank, grid.ep_rank, grid.tp_rank, grid.ep_size) == (1, 0, 1, 2)
+    assert grid.group_size("ep", "tp") == 4 and ("dp", "cp") in grid.combos
+    assert str(grid) == "TP(2)-CP(1)-EP(2)-DP(2)-PP(1) rank 5: pp=0, dp=1, ep=0, cp=0, tp=1"
+    with pytest.raises(ValueError, match=r"ep given a size but not among the axes"):
+        ParallelGrid(dp=2, ep=2, world_size=4, rank=0)  # the default axes have no "ep"
+    with pytest.raises(ValueError, match=r"dp\*pp\*cp\*tp\*ep = 2\*1\*1\*1\*2 = 4 does not"):
+        ParallelGrid(dp=2, ep=2, axes=axes, world_size=8, rank=0)
+
+
 def test_grid_sizes_are_keyword_only():
     with pytest.raises(TypeError):
         ParallelGrid(2, 1, 1, 2)  # dp, pp, cp, tp: too easy to get in the wrong order

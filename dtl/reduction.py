@@ -1,0 +1,145 @@
+"""Reduction groups: for each parameter, the grid axes along which its copies and pieces lie, so
+that every collective of a step asks the parameter, never its name.
+
+Each grid axis plays one of four roles for a parameter:
+
+    average   replicas that saw other data (dp, and cp: other tokens of the same rows): the
+              gradient is averaged over them (DP's all-reduce)
+    replica   copies with the same gradient (tp for a LayerNorm, wpe, a row-parallel bias):
+              counted once in the global norm, where this rank's coordinate along them is 0
+    shard     ranks hold different pieces of the tensor (tp for a column-parallel weight): the
+              squares summed in the norm, the pieces joined for the full tensor
+    stage     ranks hold different tensors (pp: each pipeline stage its own layers): the squares
+              summed, the stages' tensors merged for the full state
+
+and a parameter may be a `copy_of` another (a tied lm_head on the last stage: the pipeline sums
+its gradient into wte's, and the norm and the full state count it under wte).
+
+    table = gpt_reductions(gpt)                  # once, from the TP plan, the stages, the tie
+    table["blocks.0.ln_1.weight"]                # average (dp, cp), replica (tp,), stage (pp,)
+    table.average_groups(named)                  # axes -> the parameters averaged over them
+    table.norm_axes                              # ("tp", "pp"): where the squares are summed
+
+Megatron-core keeps the same facts as attributes on each parameter (`tensor_model_parallel`,
+`shared_embedding`, `allreduce=False` on an expert) and its DDP puts expert parameters in their
+own buffers, reduced over the expert-data-parallel group: a parameter not replicated over dp x cp
+is reduced over the ranks that hold its replicas, and over no others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtl.model import GPT, tp_shard_of
+
+DATA = ("dp", "cp")  # the ranks that saw other tokens: every GPT parameter is averaged over them
+TENSOR = ("tp",)  # the TP plan's axis: its modules are sharded over it, the rest replicated
+PIPELINE = ("pp",)  # each stage holds its own layers
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How one parameter lies on the grid: the axes of each role (an axis in one role at most)."""
+
+    average: tuple[str, ...] = ()
+    replica: tuple[str, ...] = ()
+    shard: tuple[str, ...] = ()
+    stage: tuple[str, ...] = ()
+    copy_of: str | None = None  # the parameter this one is a copy of (it stands for both)
+
+    def __post_init__(self) -> None:
+        roles = (self.average, self.replica, self.shard, self.stage)
+        axes = [a for role in roles for a in role]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"Reduction: an axis in two roles: {self}")
+
+
+@dataclass(frozen=True)
+class ReductionTable(Mapping[str, Reduction]):
+    """name -> Reduction for every parameter of a model (one-process names, tied aliases too)."""
+
+    records: Mapping[str, Reduction]
+
+    def __getitem__(self, name: str) -> Reduction:
+        return self.records[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def replace(self, name: str, **changes: Any) -> ReductionTable:
+        """A table with one record changed (a layer that reshards one parameter, a test)."""
+        return ReductionTable({**self.records, name: dataclasses.replace(self[name], **changes)})
+
+    def _union(self, role: str) -> tuple[str, ...]:
+        seen = (a for r in self.records.values() for a in getattr(r, role))
+        return tuple(dict.fromkeys(seen))
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes some parameter is cut into pieces over."""
+        return self._union("shard")
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The axes over which ranks hold different parameters."""
+        return self._union("stage")
+
+    @property
+    def norm_axes(self) -> tuple[str, ...]:
+        """Where the global norm's squares are summed: the axes of pieces, of stages and of
+        copies (counted once: at coordinate 0). The averaged replicas (dp, cp) hold the same
+        numbers once averaged, so the sum leaves them out."""
+        return tuple(dict.fromkeys(self._union("replica") + self.shard_axes + self.stage_axes))
+
+    @property
+    def average_axes(self) -> tuple[tuple[str, ...], ...]:
+        """Each distinct set of axes some parameter's gradient is averaged over."""
+        return tuple(dict.fromkeys(r.average for r in self.records.values()))
+
+    def copies(self) -> dict[str, str]:
+        """name -> the parameter it is a copy of."""
+        return {n: r.copy_of for n, r in self.records.items() if r.copy_of is not None}
+
+    def average_groups(
+        self, named: Mapping[str, torch.Tensor]
+    ) -> dict[tuple[str, ...], list[torch.Tensor]]:
+        """This rank's parameters by the axes their gradients are averaged over, each parameter
+        once (a tied one held under two names: both names must agree), in `named`'s order."""
+        groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        axes_of: dict[int, tuple[str, ...]] = {}  # id(parameter) -> its axes: each once
+        for name, p in named.items():
+            axes = self[name].average
+            if id(p) not in axes_of:
+                axes_of[id(p)] = axes
+                groups.setdefault(axes, []).append(p)
+            elif axes_of[id(p)] != axes:
+                raise ValueError(f"{name}: one parameter averaged over {axes_of[id(p)]} and {axes}")
+        return groups
+
+
+def gpt_reductions(gpt: GPT) -> ReductionTable:
+    """The table for the shared GPT under the course's stack: averaged over dp x cp; sharded
+    over tp where dtl.model.TP_PLAN splits the module (a row-parallel bias excepted: added
+    after the sum, whole on every TP rank), replicated over tp elsewhere; each layer on its
+    pipeline stage; a tied lm_head a copy of wte. Names are the one-process model's (`gpt`
+    before a pipeline cuts it; apply_tp keeps them)."""
+    records = {}
+    for name in dict(gpt.named_parameters(remove_duplicate=False)):
+        module_name, _, kind = name.rpartition(".")
+        shard = tp_shard_of(module_name)
+        cut = shard is not None and not (shard.style == "row" and kind == "bias")
+        records[name] = Reduction(
+            average=DATA, replica=() if cut else TENSOR, shard=TENSOR if cut else (), stage=PIPELINE
+        )
+    # tied: lm_head.weight is wte.weight's second name (one stage) or its copy (the last stage)
+    if gpt.cfg.tie_weights:
+        records["lm_head.weight"] = dataclasses.replace(records["wte.weight"], copy_of="wte.weight")
+    return ReductionTable(records)
