@@ -101,6 +101,10 @@ def build_stack(
     gpt.set_recompute(recompute)  # dtl.model: every block, so every stage's copy of it
     if next(gpt.parameters()).device != torch.device(device):
         gpt = gpt.to(device)  # (not called when already there: fake tensors cannot be swapped)
+    reduction = gpt_reductions(gpt)  # the one-process names, before any layer changes them
+    unplaced = reduction.unplaced(a for a in grid.axes if grid.group_size(a) > 1)
+    if unplaced:  # a grid axis no record places: its ranks would never be reduced together
+        raise ValueError(f"the reduction table gives the grid axis {unplaced} no role")
     if grid.tp_size > 1:
         apply_tp(gpt, grid)
     if sp:
@@ -108,7 +112,6 @@ def build_stack(
     if grid.pp_size == 1:  # (under PP, cp = 1: nothing to do)
         apply_cp(gpt, grid, attn)  # cp = 1: the fused kernel stays; it only records model.cp
     loss = (lambda logits, y: tp_loss(gpt, logits, y)) if grid.tp_size > 1 else loss_fn
-    reduction = gpt_reductions(gpt)  # the whole model's names, before a pipeline cuts it
     pipeline = None
     if grid.pp_size > 1:
         pipeline = apply_pp(

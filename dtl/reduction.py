@@ -29,7 +29,7 @@ is reduced over the ranks that hold its replicas, and over no others.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +53,13 @@ class Reduction:
     copy_of: str | None = None  # the parameter this one is a copy of (it stands for both)
 
     def __post_init__(self) -> None:
-        roles = (self.average, self.replica, self.shard, self.stage)
-        axes = [a for role in roles for a in role]
-        if len(set(axes)) != len(axes):
+        if len(set(self.axes)) != len(self.axes):
             raise ValueError(f"Reduction: an axis in two roles: {self}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis this record gives a role."""
+        return self.average + self.replica + self.shard + self.stage
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,12 @@ class ReductionTable(Mapping[str, Reduction]):
     def average_axes(self) -> tuple[tuple[str, ...], ...]:
         """Each distinct set of axes some parameter's gradient is averaged over."""
         return tuple(dict.fromkeys(r.average for r in self.records.values()))
+
+    def unplaced(self, axes: Iterable[str]) -> list[str]:
+        """The axes of `axes` that some parameter's record gives no role: along them its
+        gradient would be neither averaged nor summed, silently (a new grid axis the table has
+        not been told about)."""
+        return [a for a in axes if any(a not in r.axes for r in self.records.values())]
 
     def copies(self) -> dict[str, str]:
         """name -> the parameter it is a copy of."""

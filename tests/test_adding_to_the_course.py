@@ -12,8 +12,12 @@ import pytest
 
 from day20_pp.placement import Schedule
 from day20_pp.schedules import SCHEDULES, ScheduleKind, every_schedule
+from day22_megatron.stack import build_stack
 from day28_gpt125m.strategies import REGISTRY
 from day28_gpt125m.strategy import Strategy
+from dtl.grid import AXES, ParallelGrid
+from dtl.model import GPT, preset
+from dtl.reduction import gpt_reductions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,6 +85,27 @@ def test_a_schedule_built_without_its_placement_is_caught():
     assert schedule_problems(planted) == ["bare: built without its placement"]
 
 
+# --- a parallel dimension: a grid axis, given a role in every parameter's reduction record ------
+
+
+def test_every_axis_of_the_grid_has_a_role_for_every_parameter():
+    table = gpt_reductions(GPT(preset("tiny")))
+    assert table.unplaced(AXES) == []
+
+
+def test_an_axis_added_to_the_grid_but_not_to_the_reduction_table_is_caught():
+    grid = ParallelGrid(dp=2, ep=2, axes=("pp", "dp", "ep", "cp", "tp"), world_size=4, rank=0)
+    table = gpt_reductions(GPT(preset("tiny")))
+    live = [a for a in grid.axes if grid.group_size(a) > 1]
+    assert live == ["dp", "ep"] and table.unplaced(live) == ["ep"]
+    placed = table
+    for name in table:  # an expert-parallel GPT would say, per parameter, what ep is to it
+        placed = placed.replace(name, average=(*table[name].average, "ep"))
+    assert placed.unplaced(live) == []
+    with pytest.raises(ValueError, match=r"gives the grid axis \['ep'\] no role"):
+        build_stack(preset("tiny"), grid, micro_batch_size=1, microbatches=2, seq_len=16)
+
+
 # --- a precision: a row, declared by the engines that train in it -------------------------------
 # tests/test_dtl_precision_engines.py: test_every_row_of_the_table_is_declared_by_an_engine, and
 # its planted row (no engine declares it: caught, and refused by every engine and config).
@@ -94,6 +119,9 @@ def test_a_schedule_built_without_its_placement_is_caught():
         "day20_pp/placement.py",
         "day20_pp/schedules.py",
         "day28_gpt125m/strategies.py",
+        "dtl/grid.py",
+        "dtl/reduction.py",
+        "day22_megatron/stack.py",
     ],
 )
 def test_every_file_the_paths_name_exists(path):
