@@ -19,6 +19,16 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+# torch.distributed.nn.functional binds `group=group.WORLD` as a default argument when it is
+# first imported, and torch._dynamo imports it (the first torch.optim optimizer does). Imported
+# after init_process_group, those defaults hold the default group: destroy_process_group() then
+# neither frees it nor joins gloo's worker threads. A worker that is still releasing its last work
+# (the barrier's) when the interpreter starts shutting down needs the GIL for a Python object in
+# that work's thread-local state; Python ends the thread instead, and the process aborts
+# ("terminate called without an active exception", about 1 exit in 100). Imported here, before
+# any process group exists, the defaults are None and destroy_process_group() frees the group.
+import torch.distributed.nn  # noqa: F401
+
 from dtl import profile
 from dtl.flat import FlatBuffer
 

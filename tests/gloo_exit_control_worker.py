@@ -1,8 +1,15 @@
 """The exit soak's control: no course code at all. A torch MLP trained on 2 gloo ranks, its
 gradients averaged by a loop of dist.all_reduce after backward, AdamW; it ends with a barrier and
-destroy_process_group(), no gc.collect(), like sync_exit_worker.py. On torch 2.13 (CPU) about 1
-exit in 100 aborts ("terminate called without an active exception") here too, so an abort of
-sync_exit_worker.py at that rate is not the course's sync:
+destroy_process_group(), no gc.collect(), like sync_exit_worker.py.
+
+Its AdamW imports torch._dynamo after init_process_group, and torch._dynamo imports
+torch.distributed.nn.functional, whose collectives take `group=group.WORLD` as a default argument
+evaluated at that import. Those defaults hold the default group past destroy_process_group(), which
+then does not join gloo's worker threads. A worker still releasing the barrier's work when the
+interpreter shuts down needs the GIL for a Python object in that work's thread-local state, Python
+ends the thread, and the process aborts ("terminate called without an active exception"): about 1
+exit in 100 on torch 2.13 (CPU). dtl.dist imports torch.distributed.nn before any group exists,
+which leaves those defaults None. Counting aborts:
 
     for i in $(seq 100); do torchrun --standalone --nproc_per_node=2 \
         tests/gloo_exit_control_worker.py 2>&1 | grep -c "terminate called"; done | sort | uniq -c
