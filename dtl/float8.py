@@ -1,0 +1,133 @@
+"""FP8 training's matmuls, written out: each linear's inputs and weight cast to float8 with a
+per-tensor dynamic scale, multiplied by torch._scaled_mm, the gradients cast to float8 too.
+
+    y = x @ W^T                        forward, both operands in e4m3 (3 mantissa bits, max 448)
+    dx = dy @ W,  dW = dy^T @ x        backward, dy in e5m2 (2 mantissa bits, max 57,344)
+
+A per-tensor dynamic scale (torchao's and torchtitan's default "tensorwise" recipe): before each
+cast, amax = max |t|; the tensor is multiplied by scale = max(dtype) / amax, so its largest
+element lands on the format's largest value, cast, and the matmul undoes both scales in its
+fp32 accumulator (`scale_a`, `scale_b` are the inverses). The weights stay in their own dtype
+(fp32 or bf16) for the optimizer; only the matmul sees float8, and the backward keeps the float8
+casts of x and W (1 byte per element) for dW and dx.
+
+    model = convert_to_float8(GPT(cfg))          # every nn.Linear but the output head
+    loss_fn(model(x), y).backward()              # the same training loop
+
+On a CPU, torch._scaled_mm computes in fp32 from the float8 values: the numbers are FP8
+training's, the speed is not (an H100's FP8 tensor cores run twice its BF16 rate; a CPU runs
+no faster, nor is it measured here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+E4M3 = torch.float8_e4m3fn  # forward operands: more mantissa
+E5M2 = torch.float8_e5m2  # gradients: more range
+AMAX_FLOOR = 1e-12  # an all-zero tensor keeps a finite scale
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` cast to the float8 `dtype` with a per-tensor dynamic scale; returns (the float8
+    tensor, the inverse scale, an fp32 scalar): t ≈ t8.float() * inverse."""
+    top = torch.finfo(dtype).max
+    amax = t.detach().abs().max().float().clamp(min=AMAX_FLOOR)
+    scale = top / amax
+    t8 = (t.detach().float() * scale).clamp(-top, top).to(dtype)
+    return t8, scale.reciprocal()
+
+
+def dequantize(t8: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """What a float8 tensor stands for, in fp32: its values times the inverse scale."""
+    return t8.float() * inverse
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column by column, as _scaled_mm's second operand must be."""
+    return t.t().contiguous().t()
+
+
+def scaled_matmul(
+    a8: torch.Tensor,
+    a_inv: torch.Tensor,
+    b8: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(a8 * a_inv) @ (b8 * b_inv), accumulated in fp32 and written in `out_dtype`."""
+    return torch._scaled_mm(
+        a8.contiguous(), _column_major(b8), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype
+    )
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """x @ w^T with both operands in e4m3, and dx, dw from dy in e5m2."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x8, x_inv = to_float8(x, E4M3)  # (rows, in)
+        w8, w_inv = to_float8(w, E4M3)  # (out, in)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)  # 1 byte per element kept for backward
+        ctx.dtypes = (x.dtype, w.dtype)
+        return scaled_matmul(x8, x_inv, w8.t(), w_inv, x.dtype)  # (rows, out)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        dy8, dy_inv = to_float8(dy, E5M2)  # (rows, out)
+        dx = scaled_matmul(dy8, dy_inv, w8, w_inv, x_dtype)  # (rows, out) @ (out, in)
+        dw = scaled_matmul(dy8.t(), dy_inv, x8, x_inv, w_dtype)  # (out, rows) @ (rows, in)
+        return dx, dw
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear whose matmul runs in float8 (forward e4m3, gradients e5m2); the weight and the
+    bias stay in their own dtype, the bias added after the matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (..., in) -> (rows, in)
+        # autograd.Function.apply is untyped in torch: its result is the forward's tensor
+        y: torch.Tensor = _Float8Matmul.apply(rows, self.weight)  # type: ignore[no-untyped-call]
+        y = y.reshape(*x.shape[:-1], self.out_features)  # (rows, out) -> (..., out)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+        """The same parameters (shared, not copied) under a float8 matmul."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+
+def keep_high_precision(name: str) -> bool:
+    """The linears FP8 recipes leave alone: the output head (its logits feed the loss's softmax
+    over the whole vocabulary; torchtitan's float8 skips it too)."""
+    return name == "lm_head"
+
+
+def convert_to_float8(
+    model: nn.Module, skip: Callable[[str], bool] = keep_high_precision
+) -> nn.Module:
+    """Every nn.Linear of `model` whose name `skip` does not keep becomes a Float8Linear on the
+    same parameters, in place; returns `model`."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and not skip(full):
+                setattr(module, child_name, Float8Linear.from_linear(child))
+    return model
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio, dB: 20 log10(|ref| / |ref - approx|), torchao's
+    measure of a float8 result against its high-precision twin."""
+    noise = (reference.float() - approx.float()).norm()
+    return float(20 * torch.log10(reference.float().norm() / noise.clamp(min=1e-30)))
