@@ -83,7 +83,7 @@ def _sub_groups(parts: list[int], sub_group_size: int) -> list[list[int]]:
 
 def element_bytes(ds: dict) -> int:
     """Bytes of a parameter element as the engine holds it: 2 in bf16, else 4."""
-    return 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    return 2 if (ds.get("bf16") or {}).get("enabled") is True else 4
 
 
 def persistence_threshold(zero: dict) -> int:
@@ -336,7 +336,7 @@ def link_bytes(ds: dict, groups, world: int = 1) -> dict[str, float]:
     backward (_gathered); the update happens in CPU memory, so nothing else comes back.
     NVMe: predict's disk traffic."""
     pred = predict(ds, groups, world)
-    e = 2 if (ds.get("bf16") or {}).get("enabled") else 4
+    e = 2 if (ds.get("bf16") or {}).get("enabled") is True else 4
     psi_r = sum(math.ceil(n / world) for g in groups for n in g) * e
     up = down = 0.0  # bytes over PCIe: up = CPU -> device, down = device -> CPU
     # exercise day23.link_time: begin
