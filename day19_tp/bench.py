@@ -176,12 +176,7 @@ def _megatron_layer(grid: ParallelGrid, mcfg):
         ffn_hidden_size=4 * mcfg.n_embd,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **dm.FUSIONS_OFF,
     )
     return TransformerLayer(tcfg, get_gpt_layer_local_spec().submodules, layer_number=1)
 

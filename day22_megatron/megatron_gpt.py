@@ -145,7 +145,7 @@ def transformer_config(
 
     The math must be ours, not megatron's defaults: GELU with the tanh approximation (GPT-2's,
     megatron's default is exact erf), biases as the preset says, no dropout, LayerNorm eps 1e-5.
-    The fusions are off: on a CPU they have no kernels, and off they compute the same thing.
+    The fusions are off (dtl.megatron.FUSIONS_OFF).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -162,12 +162,7 @@ def transformer_config(
         layernorm_epsilon=1e-5,
         hidden_dropout=cfg.dropout,
         attention_dropout=cfg.dropout,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **dm.FUSIONS_OFF,
         sequence_parallel=sequence_parallel,
         **overrides,
     )

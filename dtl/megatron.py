@@ -44,7 +44,8 @@ import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,6 +178,20 @@ def check_parallel_state(grid: ParallelGrid) -> dict[str, list[int]]:
                 f"is {ours[name]} (the grid's order is tp-cp-dp-pp, TP innermost)"
             )
     return theirs
+
+
+# megatron's kernel fusions, every one off (TransformerConfig fields): on a CPU they have no
+# kernels, and off they compute the same thing
+FUSIONS_OFF: Mapping[str, bool] = MappingProxyType(
+    {
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+    }
+)
 
 
 def model_parallel_config(
