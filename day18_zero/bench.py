@@ -94,7 +94,7 @@ def pair_supports(pair: str, name: str, device_type: str) -> bool:
     supports = [engines.trainer_class(impl, stage).support for impl, stage in PAIRS[pair]]
     if not any(name in s.devices for s in supports):
         supports[0].require(name, device_type)  # raises, naming what the engine trains in
-    return all(device_type in s.devices.get(name, ()) for s in supports)
+    return all(s.trains(name, device_type) for s in supports)
 
 
 def pair_precision(cfg: Config, pair: str) -> str:

@@ -102,7 +102,7 @@ class Strategy:
     def runs_in(cls, precision: str, device_type: str) -> str:
         """The precision it trains in on `device_type` when asked for `precision`: that one where
         it declares it, else fp32 (which every strategy trains in)."""
-        return precision if device_type in cls.support.devices.get(precision, ()) else "fp32"
+        return precision if cls.support.trains(precision, device_type) else "fp32"
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         """One optimizer step over this DP rank's micro-batches; returns (the mean loss where

@@ -180,7 +180,7 @@ class Support:
             raise PrecisionError(
                 f"{self.engine} does not train in {name}; it trains in {offered} ({self.why})"
             )
-        if device_type not in self.devices[name]:
+        if not self.trains(name, device_type):
             where = " or ".join(self.devices[name])
             raise PrecisionError(
                 f"{self.engine} trains {name} on {where} only, and this run's device is "
@@ -188,9 +188,13 @@ class Support:
             )
         return precision(name)
 
+    def trains(self, name: str, device_type: str) -> bool:
+        """Whether this engine trains in the row `name` on `device_type`."""
+        return device_type in self.devices.get(name, ())
+
     def fallback(self, device_type: str) -> str:
         """The precisions this engine trains in on `device_type`, for an error's advice."""
-        return ", ".join(n for n, on in self.devices.items() if device_type in on)
+        return ", ".join(n for n in self.devices if self.trains(n, device_type))
 
 
 # engine -> its declaration: filled by `declare` as each engine's module is imported
