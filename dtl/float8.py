@@ -15,8 +15,8 @@ casts of x and W (1 byte per element) for dW and dx.
     loss_fn(model(x), y).backward()              # the same training loop
 
 On a CPU, torch._scaled_mm computes in fp32 from the float8 values: the numbers are FP8
-training's, the speed is not (an H100's FP8 tensor cores run twice its BF16 rate; a CPU runs
-no faster, nor is it measured here).
+training's, the speed is not (an H100's datasheet gives FP8 twice its BF16 rate, not run on a
+GPU here; a CPU runs no faster, nor is it measured here).
 """
 
 from __future__ import annotations
