@@ -50,7 +50,15 @@ class Config:
     out_dir: str = "outputs/day20_pp/bench"  # config.json
 
     def validate(self) -> None:
-        dtl_config.int_list("pps", self.pps, minimum=2)  # a pipeline has >= 2 stages
+        pps = dtl_config.int_list("pps", self.pps, minimum=2)  # a pipeline has >= 2 stages
+        if self.part == "small":
+            pps = [2]  # part=small runs p = 2 only
+        for p in pps:  # every schedule must take (p, m): DualPipe-V needs m >= 2p
+            for name, v in RUNS:
+                try:
+                    schedules.make(name, p, self.microbatches, v)
+                except schedules.ScheduleError as e:
+                    raise dtl_config.ConfigError(f"{name} at p = {p}: {e}") from None
 
 
 class _Path(torch.autograd.Function):
@@ -108,8 +116,9 @@ def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
     world = dist.get_world_size()
     grid = ParallelGrid(pp=p, dp=world // p)
     width = 8
-    gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
     plan = schedules.make(name, p, cfg.microbatches, v)
+    v = plan.placement.v  # the stages each rank holds: DualPipe-V's V holds two
+    gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
     first = [plan.placement.stage(grid.pp_rank, c) == 0 for c in range(v)]
     stages = [
         FixedCostStage(width, cfg.t_f_ms / 1e3, first=first[c], device=device) for c in range(v)
@@ -140,9 +149,10 @@ def run_bubble(cfg: Config, info) -> list[dict]:
             m = cfg.microbatches
             measured = measure_bubble(cfg, p, name, v, info.device)
             formula = schedules.bubble_formula(name, p, m, v)
-            rows.append(dict(p=p, schedule=name, v=v, m=m, measured=measured, formula=formula))
+            chunks = schedules.make(name, p, m, v).placement.v  # stages per rank
+            rows.append(dict(p=p, schedule=name, v=chunks, m=m, measured=measured, formula=formula))
             dtl_dist.print0(
-                f"p={p} {name:<11} v={v} m={m}: idle {measured:.3f} vs formula "
+                f"p={p} {name:<11} v={chunks} m={m}: idle {measured:.3f} vs formula "
                 f"{formula:.3f} ({(measured - formula) / formula:+.1%})"
             )
     return rows
@@ -193,14 +203,14 @@ def run_small(cfg: Config, info) -> list[dict]:
         dist.all_gather_object(peaks, (rec.peak_in_flight, per_mb))
         row = dict(
             schedule=name,
-            v=v,
+            v=plan.placement.v,  # stages per rank
             step_ms=statistics.median(times[1:]),
             peaks=[peaks[r] for r in grid.ranks_along("pp")],
         )
         out.append(row)
         dtl_dist.print0(
-            f"{name:<11} v={v}: step {row['step_ms']:.0f} ms; per rank: peak in flight x one "
-            "micro-batch's saved activations (chunk 0) = "
+            f"{name:<11} v={row['v']}: step {row['step_ms']:.0f} ms; per rank: peak in flight x "
+            "one micro-batch's saved activations (chunk 0) = "
             + ", ".join(f"{k} x {b / 1e6:.2f} MB" for k, b in row["peaks"])
         )
     return out

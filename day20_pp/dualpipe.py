@@ -22,16 +22,17 @@ order they run. It needs m >= 2p micro-batches (every stage's first backward bef
 warm-up of the other chunk ends).
 
 These lists are torch's `ScheduleDualPipeV` plan, action for action
-(tests/test_day20_dualpipe.py). They are not in `schedules.SCHEDULES`: this runtime posts each
-action's sends and receives as the action runs, and at p = 4 the p2p replay
-(`p2p.play_p2p`) finds a rank whose receive on a lane would be handed another message's tensor
-under NCCL's order-only matching; at p = 2 it plays clean.
+(tests/test_day20_dualpipe.py), registered as "dualpipev" in `schedules.SCHEDULES`: the
+simulator, the p2p replay, the runtime and the bench run them as every other schedule. On
+NCCL they need the runtime's four lanes (p2p.p2p_lane: direction and message kind): rank r
+sends chunk 0's activations and chunk 1's gradients up the same rank pair, in an order its
+neighbour does not receive them in.
 """
 
 from __future__ import annotations
 
-from day20_pp.placement import Placement, Schedule
-from day20_pp.schedules import Action, ScheduleError
+from day20_pp.placement import Action, Placement, Schedule, ScheduleError
+from dtl.exercise_seam import exercise
 
 DOWN, BACK = 0, 1  # the chunks of a V rank: its stage on the way down, its stage coming back
 
@@ -64,7 +65,9 @@ class _RankPlan:
             self.actions.append(Action("W", mb, chunk))
 
 
+@exercise("day20.dualpipe_v")
 def _rank_actions(r: int, p: int, m: int) -> list[Action]:
+    """Rank r's list: the eight phases of the module docstring, in order, on a _RankPlan."""
     plan = _RankPlan()
     to_turn = p - 1 - r  # how far this rank is from the V's turn
     for _ in range(2 * to_turn):  # 1
@@ -72,6 +75,7 @@ def _rank_actions(r: int, p: int, m: int) -> list[Action]:
     for _ in range(r + 1):  # 2
         plan.forward(DOWN)
         plan.forward(BACK)
+    # exercise day20.dualpipe_v: begin
     for _ in range(to_turn):  # 3
         plan.backward(BACK, split=True)
         plan.weight()
@@ -94,6 +98,7 @@ def _rank_actions(r: int, p: int, m: int) -> list[Action]:
     for _ in range(to_turn):  # 7
         plan.weight()
         plan.backward(DOWN, split)
+    # exercise day20.dualpipe_v: end
     for _ in range(r + 1):  # 8
         plan.weight()
     return plan.actions

@@ -49,28 +49,36 @@ def _messages(a, stage: int, n_stages: int) -> list[tuple[str, int, tuple]]:
     return out
 
 
-def message_orders(schedule: Schedule, v: int = 1) -> dict[tuple[int, int], tuple[list, list]]:
-    """For every (sender, receiver) rank pair: the messages in the order the sender posts them
-    and in the order the receiver waits for them. NCCL ignores p2p tags and matches messages
-    between two ranks by order alone, so the two lists must be equal (gloo matches by tag)."""
-    out: dict[tuple[int, int], tuple[list, list]] = {}
+def message_orders(schedule: Schedule, v: int = 1) -> dict[tuple[int, int, str], tuple[list, list]]:
+    """For every (sender, receiver, lane): the messages in the order the sender posts them and
+    in the order the receiver waits for them. NCCL ignores p2p tags and matches messages between
+    two ranks of one process group by order alone, so the two lists must be equal (gloo matches
+    by tag). The lane of each message is the runtime's (p2p_lane)."""
+    out: dict[tuple[int, int, str], tuple[list, list]] = {}
     for r, posts in enumerate(p2p_posts(schedule, v)):
         for op, peer, msg in posts:
-            pair, side = ((r, peer), 0) if op == "send" else ((peer, r), 1)
-            out.setdefault(pair, ([], []))[side].append(msg)
+            src, dst, side = (r, peer, 0) if op == "send" else (peer, r, 1)
+            out.setdefault((src, dst, p2p_lane(src, dst, msg[0])), ([], []))[side].append(msg)
     return out
 
 
 # --- the same lists as NCCL runs them: one stream per rank pair and process group ----------------
 
 
-def p2p_lane(src: int, dst: int) -> str:
-    """The process group ("lane") a message from pipeline rank `src` to `dst` travels on: "up"
-    toward a higher rank, "down" toward a lower one. NCCL runs every p2p operation between two
-    ranks of one group on one stream, in posting order; with one lane per direction each stream
-    carries one-way traffic, whose order message_orders checks. (Lanes by message kind would
-    not do: interleaved at pp = 2 sends activations both ways between the same two ranks.)"""
-    return "up" if src < dst else "down"
+LANES = ("up-act", "up-grad", "down-act", "down-grad")  # the runtime's process groups, per pipeline
+
+
+def p2p_lane(src: int, dst: int, kind: str) -> str:
+    """The process group ("lane") a message of `kind` ("act" or "grad") from pipeline rank `src`
+    to `dst` travels on: its direction ("up" toward a higher rank, "down" toward a lower one)
+    and its kind. NCCL runs every p2p operation between two ranks of one group on one stream, in
+    posting order, so each lane must carry messages its two ends post in the same order
+    (message_orders). By direction alone, a V breaks it: rank r sends chunk 0's activations up
+    and chunk 1's gradients up too, and its neighbour waits for the two in another interleaving
+    (DualPipe-V at p = 4 would hand a receive the wrong tensor). By kind alone, interleaved at
+    pp = 2 sends activations both ways between the same two ranks and hangs. Direction and kind
+    together carry one-way traffic of one kind, in one order on both ends, for every schedule."""
+    return f"{'up' if src < dst else 'down'}-{kind}"
 
 
 def play_p2p(schedule: Schedule, v: int = 1, lane=None, per_group: bool = False) -> None:
@@ -84,7 +92,7 @@ def play_p2p(schedule: Schedule, v: int = 1, lane=None, per_group: bool = False)
     dst, message)` names the group a message travels on; default: the runtime's p2p_lane.
     per_group=True: one stream per (rank, group) for every peer, the stricter order of a torch
     that runs p2p on the group's own communicator (eager init)."""
-    lane = lane or (lambda src, dst, msg: p2p_lane(src, dst))
+    lane = lane or (lambda src, dst, msg: p2p_lane(src, dst, msg[0]))
     posts = p2p_posts(schedule, v)
     pos, waiting = [0] * len(posts), [None] * len(posts)
     streams: dict[tuple, deque] = {}  # (rank, lane[, peer]) -> [op, peer, message, done]

@@ -23,14 +23,16 @@ Sends are isend (waited at the end of the step); a receive waits until its data 
 valid schedule (checked by schedules.simulate) cannot deadlock on gloo. NCCL adds a rule: it
 queues every p2p operation between two ranks of a group on one stream, in posting order, and a
 large send waits there until the peer's matching receive runs, holding up everything behind it.
-So messages travel on two process groups of the same ranks, one per direction ("lanes":
-toward a higher pipeline rank, toward a lower one, p2p.p2p_lane): each stream carries
-one-way traffic, in the same order on both ends (p2p.message_orders), and p2p.play_p2p
-replays every schedule's posts under those rules. Two stages on one rank (a V's turn) exchange
-their tensor in memory: no post, no process group. One group per
-message kind would not do: interleaved at pp = 2 sends activations both ways between the same two
-ranks, and each rank's receive would sit behind its own send, which waits for that receive on
-the other rank (a hang once messages outgrow NCCL's buffers). NCCL ignores tags; gloo matches by
+So messages travel on four process groups of the same ranks, one per direction and kind
+("lanes": activations toward a higher pipeline rank, gradients toward it, and the same toward a
+lower one, p2p.p2p_lane): each stream carries one-way traffic of one kind, in the same order on
+both ends (p2p.message_orders), and p2p.play_p2p replays every schedule's posts under those
+rules. Two stages on one rank (a V's turn) exchange their tensor in memory: no post, no process
+group. Fewer lanes would not do: by kind alone, interleaved at pp = 2 sends activations both
+ways between the same two ranks, and each rank's receive would sit behind its own send, which
+waits for that receive on the other rank (a hang once messages outgrow NCCL's buffers); by
+direction alone, a V sends one chunk's activations and the other's gradients up the same lane
+in an order its neighbour does not wait for them in. NCCL ignores tags; gloo matches by
 tag: (micro-batch, receiving stage, direction). Every buffer's shape comes from the config: no
 handshake. On a GPU each action's span ends when its kernels have run (the host synchronizes),
 so the timeline's spans and idle time are the device's, not the launches'.
@@ -54,7 +56,7 @@ import torch.nn as nn
 
 from day20_pp import schedules
 from day20_pp.in_flight import LiveActivations, StepRecord
-from day20_pp.p2p import p2p_lane
+from day20_pp.p2p import LANES, p2p_lane
 from day20_pp.placement import Placement
 from day20_pp.schedules import Action
 from dtl import profile as dtl_profile
@@ -133,7 +135,7 @@ class PipelineRunner:
         first = next(p for s in stages for p in s.parameters())
         self.device, self.dtype = first.device, first.dtype  # recv buffers: as the stages
         self.pp_ranks = grid.ranks_along("pp")  # global ranks of my pipeline, by stage index
-        self.lane_groups = _lane_groups(grid)  # "up" / "down": one process group per direction
+        self.lane_groups = _lane_groups(grid)  # p2p.LANES: one group per direction and kind
         self.tied_group = _tied_group(grid, placement) if cfg.tie_weights else None
         self.handed: dict[int, torch.Tensor] = {}  # tag -> a tensor between two of my stages
         self._name = ""  # the running action's name (F3, B3.1): its messages' ranges say it
@@ -147,9 +149,10 @@ class PipelineRunner:
         return self.pp_ranks[self.placement.rank(stage)]
 
     def _lane(self, src_stage: int, dst_stage: int):
-        """The process group of a message between two stages' ranks (by their pipeline index)."""
-        rank = self.placement.rank
-        return self.lane_groups[p2p_lane(rank(src_stage), rank(dst_stage))]
+        """The process group of a message between two stages' ranks (by their pipeline index):
+        an activation goes to the next stage, a gradient to the previous one."""
+        rank, kind = self.placement.rank, "act" if dst_stage > src_stage else "grad"
+        return self.lane_groups[p2p_lane(rank(src_stage), rank(dst_stage), kind)]
 
     def _tag(self, mb: int, stage: int, backward: bool) -> int:
         return (mb * self.n_stages + stage) * 2 + int(backward)
@@ -386,12 +389,10 @@ def _tied_group(grid: ParallelGrid, placement: Placement):
 
 
 def _lane_groups(grid: ParallelGrid) -> dict:
-    """Two process groups over this rank's pipeline: messages toward a higher pipeline rank
-    ("up") and toward a lower one ("down"). Creating a group is collective, so every rank
-    creates the pair for every pipeline, in the same order."""
-    return _for_every_pipeline(
-        grid, lambda ranks: {"up": dist.new_group(ranks), "down": dist.new_group(ranks)}
-    )
+    """One process group over this rank's pipeline per lane (p2p.LANES: direction and kind).
+    Creating a group is collective, so every rank creates the four for every pipeline, in the
+    same order."""
+    return _for_every_pipeline(grid, lambda ranks: {ln: dist.new_group(ranks) for ln in LANES})
 
 
 def _for_every_pipeline(grid: ParallelGrid, make: Callable[[list[int]], T]) -> T:

@@ -1,4 +1,5 @@
-"""Day 20: where the pipeline's stages live, and a schedule that carries it.
+"""Day 20: where the pipeline's stages live, the actions a schedule lists, and a schedule that
+carries both.
 
 A pipeline of S stages on p ranks gives each rank v = S / p of them, its "chunks". Which stages
 a rank holds is a table, rank -> its stages chunk by chunk:
@@ -17,6 +18,20 @@ a new shape is one more constructor here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Action(NamedTuple):
+    kind: str  # "F", "B", "I" or "W"
+    mb: int  # micro-batch
+    chunk: int = 0  # model chunk on this rank (interleaved); its stage: Placement.stage
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class ScheduleError(ValueError):
+    """Sizes a schedule cannot take; a one-line message."""
 
 
 class PlacementError(ValueError):

@@ -11,6 +11,9 @@ and which rank holds a stage, is the schedule's Placement (Megatron's loop: stag
     interleaved(p, m, v) Megatron's interleaved 1F1B over v chunks per rank: bubble / v
     zero_bubble(p, m)    ZB-H1 (Qi et al. 2023): B split into I and W; the W's, which nothing
                          downstream waits for, fill the slots where 1F1B waits
+    dualpipe_v(p, m)     DeepSeek's DualPipe-V (dualpipe.py): two chunks per rank on a V, the
+                         first and last stage on rank 0; a forward of one chunk beside a
+                         backward of the other, W's deferred as in ZB
 
 Nothing here runs a model: `simulate` plays the lists with per-action costs and the pipeline's
 dependencies, giving the timeline, the idle (bubble) fraction and, if the lists are wrong, the
@@ -23,23 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from day20_pp.placement import Placement, Schedule, placement_of
+from day20_pp.dualpipe import dualpipe_v
+from day20_pp.placement import Action, Placement, Schedule, ScheduleError, placement_of
 from dtl.exercise_seam import exercise
-
-
-class Action(NamedTuple):
-    kind: str  # "F", "B", "I" or "W"
-    mb: int  # micro-batch
-    chunk: int = 0  # model chunk on this rank (interleaved); its stage: Placement.stage
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class ScheduleError(ValueError):
-    """Sizes a schedule cannot take; a one-line message."""
 
 
 def _check(p: int, m: int) -> None:
@@ -157,16 +147,23 @@ class ScheduleKind:
     build: Callable[..., Schedule]  # (p, m), or (p, m, v) when takes_v
     bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle fraction
     takes_v: bool = False
+    fewest_microbatches: Callable[[int], int] = lambda p: 1  # p -> the smallest m it takes
 
 
 # The textbook idle fractions: (p-1)/(m+p-1) for GPipe and 1F1B ((p-1)(tF+tB) idle per rank over
 # a makespan of (m+p-1)(tF+tB)); (p-1)/(v·m+p-1) interleaved; for ZB-H1, whose idle is
-# (p-1)(tF+tI-tW) (Qi et al., section 3), (p-1)/(3m+p-1) with tF = tI = tW.
+# (p-1)(tF+tI-tW) (Qi et al., section 3), (p-1)/(3m+p-1) with tF = tI = tW. DualPipe-V: each
+# rank works 2 chunks x m x (tF + tB) = 6m units and, with tF = tI = tW, idles (p-1)·tF (the
+# simulator's count at every p and m >= 2p the tests take: (p-1)/(6m+p-1), at this unit a chunk's
+# forward; the fraction does not depend on the unit).
 SCHEDULES = {
     "gpipe": ScheduleKind(gpipe, lambda p, m, v: (p - 1) / (m + p - 1)),
     "1f1b": ScheduleKind(one_f_one_b, lambda p, m, v: (p - 1) / (m + p - 1)),
     "interleaved": ScheduleKind(interleaved, lambda p, m, v: (p - 1) / (v * m + p - 1), True),
     "zb": ScheduleKind(zero_bubble, lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+    "dualpipev": ScheduleKind(
+        dualpipe_v, lambda p, m, v: (p - 1) / (6 * m + p - 1), fewest_microbatches=lambda p: 2 * p
+    ),
 }
 
 

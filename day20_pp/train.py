@@ -4,6 +4,7 @@ CPU (gloo), ~10-20 s:
     torchrun --standalone --nproc_per_node=2 -m day20_pp.train --schedule=1f1b --pp=2
     torchrun --standalone --nproc_per_node=2 -m day20_pp.train --schedule=interleaved --chunks=2
     torchrun --standalone --nproc_per_node=4 -m day20_pp.train --schedule=zb --pp=4
+    torchrun --standalone --nproc_per_node=2 -m day20_pp.train --schedule=dualpipev --pp=2
     torchrun --standalone --nproc_per_node=4 -m day20_pp.train --pp=2          # PP 2 x DP 2
 GPUs (NCCL): torchrun --standalone --nproc_per_node=gpu -m day20_pp.train --pp=2 \
                  --config day20_pp/gpu.toml
@@ -47,7 +48,7 @@ from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
 @dataclass
 class Config:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb | dualpipev
     pp: int = 2  # pipeline stages (ranks per pipeline; Megatron's pipeline_model_parallel_size)
     chunks: int = 1  # model chunks per rank (interleaved: Megatron's virtual pipeline size)
     microbatches: int = 8  # micro-batches per step (m)
@@ -72,8 +73,8 @@ class Config:
         if world % self.pp:
             raise err(f"pp {self.pp} does not divide the world size {world}")
         try:
-            schedules.make(self.schedule, self.pp, self.microbatches, self.chunks)
-            check_pipeline(preset(self.model), self.pp, self.chunks)
+            plan = schedules.make(self.schedule, self.pp, self.microbatches, self.chunks)
+            check_pipeline(preset(self.model), plan.placement.p, plan.placement.v)
         except (schedules.ScheduleError, PipelineError) as e:
             raise err(str(e)) from None
         if self.seq_len > preset(self.model).block_size:
@@ -150,9 +151,10 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
 
 
 def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
-    p, m, v = grid.pp_size, cfg.microbatches, cfg.chunks
-    ideal = schedules.simulate(result["actions"], v=v)
-    formula = schedules.bubble_formula(cfg.schedule, p, m, v)
+    p, m = grid.pp_size, cfg.microbatches
+    ideal = schedules.simulate(result["actions"])  # on the schedule's own placement
+    formula = schedules.bubble_formula(cfg.schedule, p, m, cfg.chunks)
+    v = result["actions"].placement.v  # stages per rank: DualPipe-V's V holds two
     mean_idle = sum(result["idle"][1:]) / max(1, len(result["idle"]) - 1)
     measured_idle = dtl_dist.all_reduce_scalar(mean_idle, average=True)
     peaks = [None] * dist.get_world_size()

@@ -135,7 +135,7 @@ def axis_groups(stack) -> dict[str, list]:
     pp = [grid.embedding_group]
     if stack.pipeline is not None:
         runner = stack.pipeline.runner
-        pp += list(runner.lane_groups.values())  # its two p2p lanes (day20 pipeline.py)
+        pp += list(runner.lane_groups.values())  # its p2p lanes (day20 pipeline.py)
     return {
         "tp": [grid.tp_group],
         "cp": [grid.cp_group],

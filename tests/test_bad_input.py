@@ -74,12 +74,14 @@ CASES = {
         (["--pp=3"], "pp 3 does not divide the world size 4"),
         (["--microbatches=0"], "'microbatches' must be an integer >= 1"),
         (["--chunks=0"], "'chunks' must be an integer >= 1"),
+        (["--schedule=dualpipev", "--pp=2", "--microbatches=3"], "DualPipe-V needs m >= 2p"),
     ],
     "day20_pp.bench": [
         (["--part=x"], "unknown part 'x'"),
         (["--t_f_ms=0"], "'t_f_ms' must be a finite number > 0"),
         (["--microbatches=0"], "'microbatches' must be an integer >= 1"),
         (["--steps=0"], "'steps' must be an integer >= 1"),
+        (["--pps=4", "--microbatches=4"], "dualpipev at p = 4: DualPipe-V needs m >= 2p"),
     ],
     "day21_sp_cp.train": [
         (["--cp=0"], "'cp' must be an integer >= 1"),  # once a ZeroDivisionError

@@ -9,6 +9,7 @@ order), parameters after SGD steps atol 1e-6.
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from day20_pp import p2p, schedules
 from day20_pp.pipeline import (
@@ -19,7 +20,6 @@ from day20_pp.pipeline import (
     check_pipeline,
     stage_parameters,
 )
-from day20_pp.placement import Placement
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
@@ -47,8 +47,9 @@ def _check_lists(name, v):
     as the formula, and between any two ranks the messages are received in the order they are
     sent (what NCCL, which ignores tags, relies on). Returns each (p, m)'s peaks in flight."""
     peaks = {}
+    kind = schedules.SCHEDULES[name]
     for p, m in _cases():
-        if schedules.SCHEDULES[name].takes_v and m % p:
+        if (kind.takes_v and m % p) or m < kind.fewest_microbatches(p):
             continue
         sched = schedules.make(name, p, m, v)
         tl = schedules.simulate(sched, v=v)
@@ -65,9 +66,10 @@ def _check_lists(name, v):
                     assert all(f < i for k in backs for i in seen[(k, c, mb)])
         formula = schedules.bubble_formula(name, p, m, v)
         assert tl.bubble == pytest.approx(formula, abs=1e-12), (name, p, m, v)
-        for pair, (sent, received) in p2p.message_orders(sched, v).items():
-            assert sent == received, (name, p, m, v, pair)
+        for lane, (sent, received) in p2p.message_orders(sched, v).items():
+            assert sent == received, (name, p, m, v, lane)
         peaks[(p, m)] = tl.peak_in_flight()
+    assert peaks, f"{name}: no (p, m) of the cases was checked"
     return peaks
 
 
@@ -94,6 +96,8 @@ def test_every_other_schedule_is_complete_deadlock_free_and_as_idle_as_the_formu
                 assert peaks == [m] * p, (p, m, peaks)
             if name == "zb":
                 assert max(peaks) <= p, (p, m, peaks)
+            if name == "dualpipev":  # DeepSeek's bound: 2p + 1 chunk-micro-batches in flight
+                assert max(peaks) <= 2 * p + 1, (p, m, peaks)
 
 
 def test_a_wrong_schedule_is_caught_as_a_deadlock():
@@ -112,11 +116,20 @@ def test_ascii_timeline_shows_every_action():
 # --- the runtime on real stages -----------------------------------------------------------------
 
 
-def _micro_batches(step, dp_rank=0, dp_size=1):
+def _micro_batches(step, dp_rank=0, dp_size=1, m=M):
+    """This DP rank's B·M rows of the step, cut into m micro-batches (M of B rows by default)."""
     g = torch.Generator().manual_seed(10 + step)
     rows = torch.randint(0, CFG.vocab_size, (B * M * dp_size, T + 1), generator=g)
     mine = rows[dp_rank * B * M : (dp_rank + 1) * B * M]
-    return [(mine[i * B : (i + 1) * B, :-1], mine[i * B : (i + 1) * B, 1:]) for i in range(M)]
+    b = B * M // m
+    return [(mine[i * b : (i + 1) * b, :-1], mine[i * b : (i + 1) * b, 1:]) for i in range(m)]
+
+
+def _microbatches_for(name, p):
+    """M, or the fewest the schedule takes at p (DualPipe-V: 2p), the same B·M rows either way."""
+    m = max(M, schedules.SCHEDULES[name].fewest_microbatches(p))
+    assert (B * M) % m == 0, (name, p, m)
+    return m
 
 
 def _pipeline_runs(pp, dp):
@@ -124,19 +137,20 @@ def _pipeline_runs(pp, dp):
     grid = ParallelGrid(pp=pp, dp=dp)
     out = {}
     for name, v in RUNS:
+        m = _microbatches_for(name, pp)
         try:
-            plan = schedules.make(name, pp, M, v)
+            plan = schedules.make(name, pp, m, v)
         except NotImplementedError as e:  # a started exercise's stub: the other schedules run
             out[name] = str(e)
             continue
         actions = plan[grid.pp_rank]
         stages = build_stages(CFG, grid, plan.placement)
-        runner = PipelineRunner(stages, grid, CFG, (B, T), placement=plan.placement)
+        runner = PipelineRunner(stages, grid, CFG, (B * M // m, T), placement=plan.placement)
         params = stage_parameters(stages)
         opt = torch.optim.SGD(list(params.values()), lr=0.5)
         losses, grads, peak = [], None, None
         for step in range(K):
-            loss, rec = runner.step(actions, _micro_batches(step, grid.dp_rank, dp))
+            loss, rec = runner.step(actions, _micro_batches(step, grid.dp_rank, dp, m))
             # DP beside the pipeline, the lesson's own path (day20_pp/train.py's run)
             dtl_dist.average_gradients(list(params.values()), grid.dp_group)
             if step == 0:
@@ -165,9 +179,10 @@ def _pipeline_runs(pp, dp):
 
 
 def _torch_pipelining(pp):
-    """The same stages through torch.distributed.pipelining; the tied embedding's two copies
-    summed by hand (torch's schedules do not know the tie). scale_grads (the default) divides
-    by the number of micro-batches: the mean, as our runtime's loss / m."""
+    """The same stages through torch.distributed.pipelining, each schedule on the placement ours
+    has (DualPipe-V's V: torch 2.13's ScheduleDualPipeV, where this torch has it); the tied
+    embedding's two copies summed by hand (torch's schedules do not know the tie). scale_grads
+    (the default) divides by the number of micro-batches: the mean, as our runtime's loss / m."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -176,33 +191,54 @@ def _torch_pipelining(pp):
     )
 
     grid = ParallelGrid(pp=pp)
-    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in _micro_batches(0)])
-    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # its shape checks want strides
     out = {}
     for name, v, cls in (
         ("gpipe", 1, ScheduleGPipe),
         ("1f1b", 1, Schedule1F1B),
         ("interleaved", 2, ScheduleInterleaved1F1B),
+        ("dualpipev", 1, getattr(torch_schedules, "ScheduleDualPipeV", None)),
     ):
-        stages = build_stages(CFG, grid, Placement.loop(pp, v))
+        if cls is None:
+            continue
+        m = _microbatches_for(name, pp)
+        try:
+            place = schedules.make(name, pp, m, v).placement
+        except NotImplementedError:  # a started exercise's stub: the test names it
+            continue
+        rows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in _micro_batches(0, m=m)])
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # its shape checks: strides
+        stages = build_stages(CFG, grid, place)
         pstages = []
         for c, mod in enumerate(stages):
-            index = c * pp + grid.pp_rank
+            index, b = place.stage(grid.pp_rank, c), B * M // m
             example = (
-                torch.zeros(B, T, dtype=torch.long) if index == 0 else torch.zeros(B, T, CFG.n_embd)
+                torch.zeros(b, T, dtype=torch.long) if index == 0 else torch.zeros(b, T, CFG.n_embd)
             )
             pstages.append(
-                PipelineStage(mod, index, pp * v, torch.device("cpu"), input_args=(example,))
+                PipelineStage(
+                    mod, index, place.n_stages, torch.device("cpu"), input_args=(example,)
+                )
             )
-        sched = cls(pstages if v > 1 else pstages[0], M, loss_fn=loss_fn)
+        sched = cls(pstages if place.v > 1 else pstages[0], m, loss_fn=loss_fn)
         first = any(s.is_first for s in pstages)
         last = any(s.is_last for s in pstages)
         sched.step(*((x,) if first else ()), **(dict(target=y) if last else {}))
-        tied = stages[0].wte if stages[0].wte is not None else stages[-1].lm_head
-        if tied is not None:
-            dist.all_reduce(tied.weight.grad, group=grid.embedding_group)
+        _sum_tied_copies(stages, grid, place)
         out[name] = {n: p.grad.clone() for n, p in stage_parameters(stages).items()}
     return out
+
+
+def _sum_tied_copies(stages, grid, place):
+    """wte's and the tied lm_head's gradients summed: over the embedding group when the ends
+    are on two ranks, in place when one rank holds both (a V's rank 0)."""
+    copies = [s.wte for s in stages if s.wte is not None]
+    copies += [s.lm_head for s in stages if s.lm_head is not None]
+    if len(place.tied_ranks()) == 2 and copies:
+        dist.all_reduce(copies[0].weight.grad, group=grid.embedding_group)
+    elif len(copies) == 2:
+        total = copies[0].weight.grad + copies[1].weight.grad
+        for c in copies:
+            c.weight.grad.copy_(total)
 
 
 def _tp_then_pp():
@@ -324,7 +360,11 @@ def test_every_schedule_gives_the_one_process_loss_gradients_and_parameters(runs
 @pytest.mark.parametrize("runs", [(2, 1), (4, 1)], ids=["pp2", "pp4"], indirect=True)
 def test_torch_pipelining_schedules_give_the_same_gradients_as_ours(runs):
     pp, dp, ranks = runs
-    for name in _built(ranks, ("gpipe", "1f1b", "interleaved")):
+    names = ["gpipe", "1f1b", "interleaved"]
+    if hasattr(torch_schedules, "ScheduleDualPipeV"):  # torch >= 2.13
+        names.append("dualpipev")
+    assert set(names) <= set(ranks[0]["torch"]), sorted(ranks[0]["torch"])
+    for name in _built(ranks, names):
         theirs, ours = {}, {}
         for res in ranks:
             theirs.update(res["torch"][name])
@@ -351,7 +391,8 @@ def test_the_runtime_counts_the_in_flight_micro_batches_the_lists_promise(runs):
     for name, v in RUNS:
         if name not in _built(ranks, [name]):
             continue
-        want = schedules.simulate(schedules.make(name, pp, M, v), v=v).peak_in_flight()
+        m = _microbatches_for(name, pp)
+        want = schedules.simulate(schedules.make(name, pp, m, v), v=v).peak_in_flight()
         got = [res[name]["peak"] for res in first_pipeline]
         assert got == want, (name, got, want)
         if name == "gpipe":
@@ -397,7 +438,8 @@ def test_every_schedule_runs_under_nccls_p2p_rules():
     # FIFO streams, no buffering, no tags: one stream per (group, rank pair), or one per group
     for p, m in _cases():
         for name, v in RUNS + [("interleaved", 3), ("interleaved", 4)]:
-            if name == "interleaved" and m % p:
+            kind = schedules.SCHEDULES[name]
+            if (kind.takes_v and m % p) or m < kind.fewest_microbatches(p):
                 continue
             sched = schedules.make(name, p, m, v)
             p2p.play_p2p(sched, v)
@@ -418,9 +460,19 @@ def test_receives_out_of_send_order_are_caught():
         p2p.play_p2p(sched)
 
 
-def test_lanes_are_one_way():
-    assert p2p.p2p_lane(0, 1) == p2p.p2p_lane(3, 5) == "up"
-    assert p2p.p2p_lane(1, 0) == p2p.p2p_lane(3, 0) == "down"
+def test_one_group_per_direction_hands_dualpipe_v_the_wrong_tensor_at_pp4():
+    # lanes by direction alone: chunk 0's activations and chunk 1's gradients share the up lane
+    sched = schedules.make("dualpipev", 4, 8)
+    with pytest.raises(schedules.Deadlock, match="wrong tensor"):
+        p2p.play_p2p(sched, lane=lambda src, dst, msg: "up" if src < dst else "down")
+
+
+def test_lanes_are_one_way_and_of_one_kind():
+    assert p2p.p2p_lane(0, 1, "act") == p2p.p2p_lane(3, 5, "act") == "up-act"
+    assert p2p.p2p_lane(1, 0, "grad") == p2p.p2p_lane(3, 0, "grad") == "down-grad"
+    assert {p2p.p2p_lane(s, d, k) for s, d in ((0, 1), (1, 0)) for k in ("act", "grad")} == set(
+        p2p.LANES
+    )
 
 
 def _crossed_receives_on_the_runtime():
@@ -466,8 +518,10 @@ def test_every_stage_has_one_home_and_every_schedule_carries_its_placement():
     for name, v in RUNS:
         sched = schedules.make(name, 4, 8, v)
         place = sched.placement
-        assert (place.p, place.v) == (4, v), name
-        homes = {place.stage(r, c): (r, c) for r in range(4) for c in range(v)}
+        assert place.p == 4, name
+        if schedules.SCHEDULES[name].takes_v:  # the chunks asked for; else the schedule's own
+            assert place.v == v, name
+        homes = {place.stage(r, c): (r, c) for r in range(4) for c in range(place.v)}
         assert sorted(homes) == list(range(place.n_stages)), name  # each stage exactly once
         assert all((place.rank(s), place.chunk(s)) == rc for s, rc in homes.items()), name
         assert pickle.loads(pickle.dumps(sched)).placement == place  # travels to the ranks

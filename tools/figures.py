@@ -87,7 +87,7 @@ def zero_memory() -> Figure:
     return fig
 
 
-# --- day 20: the four schedules' timelines ------------------------------------------------------
+# --- day 20: the schedules' timelines ------------------------------------------------------
 
 
 def pp_schedules(p: int = 4, m: int = 8, v: int = 2) -> Figure:
@@ -97,10 +97,12 @@ def pp_schedules(p: int = 4, m: int = 8, v: int = 2) -> Figure:
     names = schedules.every_schedule(v)
     fig = Figure(figsize=(12.5, 2 * len(names) + 0.25))
     axes = fig.subplots(len(names), 1, sharex=True)
-    for ax, (name, chunks) in zip(axes, names):
+    for ax, (name, v_asked) in zip(axes, names):
+        plan = schedules.make(name, p, m, v_asked)
+        chunks = plan.placement.v  # stages per rank: the interleaved v, DualPipe-V's two
         costs = {kind: cost / chunks for kind, cost in schedules.COSTS.items()}
-        tl = schedules.simulate(schedules.make(name, p, m, chunks), v=chunks, costs=costs)
-        formula = schedules.bubble_formula(name, p, m, chunks)
+        tl = schedules.simulate(plan, costs=costs)
+        formula = schedules.bubble_formula(name, p, m, v_asked)
         title = (
             f"{name}{f' (v = {chunks} chunks per rank)' if chunks > 1 else ''}: makespan "
             f"{tl.makespan:g}, bubble {tl.bubble:.3f} (formula {formula:.3f}), "
