@@ -36,7 +36,10 @@ IMPLS = ("hand", "torch", "deepspeed")
 HAND_ZERO = declare(
     "hand ZeRO (stages 1-3)",
     {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE},
-    why="fp16 needs a loss scaler, which the hand engine lacks; use impl=deepspeed on a GPU",
+    why=(
+        "fp16 needs a loss scaler, which the hand engine lacks (use impl=deepspeed on a GPU); "
+        "fp8 needs a conversion of the linears, which it does not apply"
+    ),
 )
 NO_MASTER = declare(
     "day 17's DDP, torch DDP, ZeroRedundancyOptimizer, FSDP2",

@@ -72,7 +72,7 @@ class Config:
 SIMULATED = declare(
     "day 18's simulated ZeRO (hand stages 1-3, FSDP2)",
     {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE},
-    why="fp16 needs a loss scaler, which the hand engine lacks",
+    why="fp16 needs a loss scaler, which the hand engine lacks; fp8 is not simulated",
 )
 
 # engine name -> (engines.build's impl, stage); "fsdp2" is impl "torch" at stages 2 and 3

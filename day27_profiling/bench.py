@@ -86,7 +86,7 @@ def missing_ranges(name: str, trace_dir: str, ranks=(0, 1)) -> list[str]:
 TIMED_STEP = declare(
     "day 27's timed step",
     {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE, "fp16": ANY_DEVICE},
-    why="it times torch.autocast steps; no conversion of the linears is wired",
+    why="it times torch.autocast steps; no conversion of the linears (fp8) is wired",
 )
 
 

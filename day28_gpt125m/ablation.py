@@ -30,11 +30,12 @@ import torch
 from day28_gpt125m.recipe import AUTOCAST, Recipe, autocast, make_adamw
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
+from dtl.conversion import apply_conversion
 from dtl.data import get_batch, load_corpus, tokenizer_for
 from dtl.deepspeed import DsConfigError, planned_device_type
 from dtl.metrics import write_csv
 from dtl.model import GPT, PRESETS, GPTConfig, loss_fn, naive_attention
-from dtl.precision import PrecisionError, PrecisionName
+from dtl.precision import PRECISIONS, PrecisionError, PrecisionName
 
 # the CPU default: a small GPT at a long sequence (512 tokens, 128 wide), where attention is a
 # large share of the step; `small` at 128 tokens spends it in its 50,304-word head instead
@@ -89,7 +90,7 @@ OPTIMIZER_MODES = {  # mode -> make_adamw's (fused, foreach)
 
 def measure(cfg: Config, variant: tuple, tokens, device) -> dict:
     attention, opt_mode, compiled = variant
-    gpt = GPT(MODELS[cfg.model], seed=0).to(device)
+    gpt = apply_conversion(GPT(MODELS[cfg.model], seed=0), PRECISIONS[cfg.precision]).to(device)
     if attention == "naive":
         gpt.set_attention(naive_attention)
     r = Recipe(precision=cfg.precision)

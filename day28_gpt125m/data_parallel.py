@@ -26,9 +26,11 @@ from day24_checkpoint.ckpt import AppState, Checkpointer, Progress
 from day28_gpt125m.recipe import AUTOCAST, autocast, make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
+from dtl.conversion import apply_conversion
 from dtl.exercise_seam import exercise
 from dtl.model import GPT, loss_fn, num_params
 from dtl.optim import set_lr
+from dtl.precision import PRECISIONS
 from dtl.state import live_state_bytes
 
 
@@ -41,7 +43,9 @@ class TorchData(Strategy):
     def __init__(self, s: Setup):
         self.r, self.device = s.recipe, s.device
         # its parameters: clipped, updated, gathered
-        self.gpt = GPT(s.cfg, seed=s.seed).to(s.device)
+        # the recipe's precision may change the linears (fp8: float8 matmuls), before any wrap
+        self.gpt = apply_conversion(GPT(s.cfg, seed=s.seed), PRECISIONS[s.recipe.precision])
+        self.gpt.to(s.device)
         self.gpt.set_recompute(s.recompute)  # before DDP or fully_shard wrap the blocks
         self.model = self.wrap(self.gpt, s.device)  # what forward runs
         self.optimizer = make_adamw(self.gpt, s.recipe)

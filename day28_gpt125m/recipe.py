@@ -63,11 +63,12 @@ def make_adamw(
     return r.optim.make(params, fused=fused, foreach=foreach)
 
 
-# The recipe's autocast: bf16 on GPUs (the CPU checks run fp32); fp16 would need a GradScaler.
-# DDP, FSDP2 and the ablation train through it.
+# The recipe's autocast: bf16 on GPUs (the CPU checks run fp32), and fp8 (bf16 autocast around
+# float8 linears, dtl.conversion, applied to the GPT before it is wrapped); fp16 would need a
+# GradScaler. DDP, FSDP2 and the ablation train through it.
 AUTOCAST = declare(
     "day 28's autocast (ddp, fsdp2, the ablation)",
-    {"fp32": ANY_DEVICE, "bf16": GPU_ONLY},
+    {"fp32": ANY_DEVICE, "bf16": GPU_ONLY, "fp8": GPU_ONLY},
     why="fp16 needs a GradScaler, which is not wired",
 )
 

@@ -44,7 +44,7 @@ class Setup:
 FP32_ONLY = declare(
     "day 28's TP, PP and megatron strategies",
     {"fp32": ANY_DEVICE},
-    why="they train fp32 here; bf16 runs with ddp, fsdp2, zero2 and zero3",
+    why="they train fp32 here; bf16 runs with ddp, fsdp2, zero2 and zero3, fp8 with ddp and fsdp2",
 )
 
 

@@ -89,7 +89,8 @@ class Config:
     min_lr: float = 6e-5  # the cosine's end
     weight_decay: float = 0.1  # AdamW, matrices only
     clip: float = 1.0  # global gradient-norm clip (0: off)
-    # fp32 | bf16: autocast (ddp, fsdp2) or DeepSpeed's bf16 (zero2, zero3); GPUs
+    # fp32 | bf16: autocast (ddp, fsdp2) or DeepSpeed's bf16 (zero2, zero3); fp8: bf16 autocast
+    # around float8 linears (ddp, fsdp2; dtl.conversion); GPUs
     precision: PrecisionName = "fp32"
     compile: bool = False  # torch.compile the model (ddp, fsdp2)
     data: str = "shakespeare"  # text source: shakespeare, a .txt file, a Hugging Face dataset

@@ -47,7 +47,7 @@ from dtl.precision import ANY_DEVICE, GPU_ONLY, Precision, PrecisionError, decla
 DEEPSPEED = declare(
     "DeepSpeed",
     {"fp32": ANY_DEVICE, "bf16": ANY_DEVICE, "fp16": GPU_ONLY},
-    why="its bf16 and fp16 sections are the precisions it has",
+    why="its bf16 and fp16 sections are the precisions it has; it has no float8 matmuls",
 )
 # DeepSpeed's section for the dtype a row stores parameters in; fp32 enables none
 SECTIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}

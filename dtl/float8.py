@@ -21,11 +21,14 @@ GPU here; a CPU runs no faster, nor is it measured here).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from dtl.exercise_seam import exercise
 
 E4M3 = torch.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = torch.float8_e5m2  # gradients: more range
@@ -77,12 +80,17 @@ class _Float8Matmul(torch.autograd.Function):
         return scaled_matmul(x8, x_inv, w8.t(), w_inv, x.dtype)  # (rows, out)
 
     @staticmethod
+    @exercise("day28.float8_backward")
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dx = dy @ W and dW = dy^T @ x, from dy cast to e5m2 and the e4m3 copies the forward
+        kept, each product in the dtype its parameter or input had."""
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        # exercise day28.float8_backward: begin
         dy8, dy_inv = to_float8(dy, E5M2)  # (rows, out)
         dx = scaled_matmul(dy8, dy_inv, w8, w_inv, x_dtype)  # (rows, out) @ (out, in)
         dw = scaled_matmul(dy8.t(), dy_inv, x8, x_inv, w_dtype)  # (out, rows) @ (rows, in)
+        # exercise day28.float8_backward: end
         return dx, dw
 
 
@@ -129,5 +137,58 @@ def convert_to_float8(
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio, dB: 20 log10(|ref| / |ref - approx|), torchao's
     measure of a float8 result against its high-precision twin."""
-    noise = (reference.float() - approx.float()).norm()
-    return float(20 * torch.log10(reference.float().norm() / noise.clamp(min=1e-30)))
+    reference, approx = reference.detach().float(), approx.detach().float()
+    noise = (reference - approx).norm()
+    return float(20 * torch.log10(reference.norm() / noise.clamp(min=1e-30)))
+
+
+class LayerBars:
+    """Every Float8Linear of `model`, at every backward, against its own matmul in fp32 on the
+    same inputs: the worst output, input-gradient and weight-gradient SQNR (dB) seen so far,
+    torchao's per-layer measure. Call `check_weight_grads()` after each backward."""
+
+    def __init__(self, model: nn.Module):
+        self.worst = {"y": math.inf, "dx": math.inf, "dW": math.inf}
+        self.step_worst = dict(self.worst)  # since the last check_weight_grads
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._exact_dw: dict[str, torch.Tensor] = {}
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+        for name, layer in self.layers.items():
+            layer.register_forward_hook(self._forward(name))
+            layer.register_full_backward_hook(self._backward(name))
+
+    def _forward(self, name: str) -> Callable[..., None]:
+        def hook(layer: Float8Linear, args: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
+            x = args[0].detach().float()
+            self._inputs[name] = x
+            exact = x @ layer.weight.detach().float().t()
+            if layer.bias is not None:  # added after the matmul, in high precision
+                exact = exact + layer.bias.detach().float()
+            self._bar("y", exact, y)
+
+        return hook
+
+    def _backward(self, name: str) -> Callable[..., None]:
+        def hook(layer: Float8Linear, grad_in: tuple[Any, ...], grad_out: tuple[Any, ...]) -> None:
+            dy = grad_out[0].float().flatten(0, -2)  # (rows, out)
+            x = self._inputs.pop(name).flatten(0, -2)  # (rows, in)
+            self._bar("dx", dy @ layer.weight.detach().float(), grad_in[0].flatten(0, -2))
+            self._exact_dw[name] = dy.t() @ x  # compared once backward has written .grad
+
+        return hook
+
+    def _bar(self, what: str, exact: torch.Tensor, got: torch.Tensor) -> None:
+        db = sqnr_db(exact, got)
+        self.worst[what] = min(self.worst[what], db)
+        self.step_worst[what] = min(self.step_worst[what], db)
+
+    def check_weight_grads(self) -> dict[str, float]:
+        """Compare each layer's .grad with its exact dW (one backward since the last call);
+        returns this step's worst per kind and starts the next step's."""
+        for name, exact in self._exact_dw.items():
+            grad = self.layers[name].weight.grad
+            assert grad is not None, f"{name}: no gradient after backward"
+            self._bar("dW", exact, grad)
+        self._exact_dw = {}
+        step, self.step_worst = self.step_worst, {k: math.inf for k in self.worst}
+        return step

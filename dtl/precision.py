@@ -8,12 +8,18 @@ rest here. A row says what each kind of tensor is held in, separately, because t
     fp32   float32    float32 (no autocast)  4             4 + 4 + 8  (m, v; no master)
     bf16   bfloat16   autocast to bfloat16   2             2 + 2 + 12 (fp32 master, m, v)
     fp16   float16    autocast to float16    2             2 + 2 + 12, and a loss scaler
+    fp8    bfloat16   autocast to bfloat16,  2             2 + 2 + 12 (fp32 master, m, v)
+                      the linears' matmuls
+                      in float8 (e4m3 operands,
+                      e5m2 gradients)
 
 `storage` is the dtype an engine that casts the model holds parameters in (hand ZeRO, DeepSpeed,
 megatron-core); `autocast` the dtype matmuls run in under torch.autocast; `conversion` names a
 change of the model's linears the matmuls go through instead (FP8 training keeps bf16 weights and
 scales only the matmul inputs to float8: its storage, autocast and activations are bf16's, its
-conversion is not). The bytes are the ZeRO paper's (Rajbhandari et al. 2019, section 3: K = 12
+conversion is not; dtl.conversion applies it by name). FP8's bytes per parameter are bf16's: the
+float8 copies live only inside each matmul (and, one byte per element, as what its backward
+keeps). The bytes are the ZeRO paper's (Rajbhandari et al. 2019, section 3: K = 12
 for mixed-precision Adam). An optimizer that keeps a separate fp32 copy even in fp32 (DeepSpeed
 does) holds `with_fp32_master()`'s 12. The peaks are the vendors' datasheet figures, dense (never
 the 2:4 sparse one); a device the table does not name has no peak and gets no MFU.
@@ -149,6 +155,18 @@ PRECISIONS: Mapping[str, Precision] = MappingProxyType(
             optim=12,
             loss_scaling=True,
             peaks=MappingProxyType(TENSOR_CORE_16BIT_FLOPS),
+        ),
+        "fp8": Precision(
+            "fp8",
+            storage=torch.bfloat16,
+            autocast_dtype=torch.bfloat16,
+            conversion="float8",
+            activation=2,
+            param=2,
+            grad=2,
+            optim=12,
+            loss_scaling=False,  # per-tensor scales on every cast: no loss scaler
+            peaks=MappingProxyType(FP8_TENSOR_CORE_FLOPS),
         ),
     }
 )

@@ -199,6 +199,12 @@ CASES = {
         (["--precision=fp16"], "autocast (ddp, fsdp2, the ablation) does not train in fp16"),
         (["--steps=0"], "'steps' must be an integer >= 1"),
     ],
+    "day28_gpt125m.fp8": [
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+        (["--seq_len=100000"], "seq_len 100000 exceeds small's block_size"),
+        (["--model=nope"], "unknown model 'nope'"),
+        (["--lr=-1"], "'lr' must be a finite number > 0"),
+    ],
     "day28_gpt125m.bench_mfu": [
         (["--micro_batches=abc"], "micro_batches must be integers"),
         (["--steps=0"], "'steps' must be an integer >= 1"),

@@ -1,8 +1,9 @@
 """The kit's FP8 matmuls (dtl/float8.py) against the arithmetic they stand for and against high
 precision: the hand cast-and-scale equals torch._scaled_mm on the same float8 inputs, the
-backward's dx and dW are the float8 products they claim, and a converted GPT stays within
-torchao's bars of its fp32 twin (output SQNR >= 18 dB, gradient SQNR >= 17 dB) and trains like
-it. A CPU computes these numbers exactly as FP8 training does; it says nothing of speed."""
+backward's dx and dW are the float8 products they claim, and the fp8 row's conversion of `small`
+keeps every float8 layer within torchao's bars of its fp32 matmul (output SQNR >= 18 dB, gradient
+SQNR >= 17 dB; twenty steps beside bf16: day28_gpt125m.fp8, a launch line of the suite). A CPU
+computes these numbers exactly as FP8 training does; it says nothing of speed."""
 
 from __future__ import annotations
 
@@ -11,8 +12,19 @@ import torch
 import torch.nn as nn
 
 from dtl import float8
-from dtl.float8 import E4M3, E5M2, Float8Linear, convert_to_float8, dequantize, sqnr_db, to_float8
+from dtl.conversion import apply_conversion
+from dtl.float8 import (
+    E4M3,
+    E5M2,
+    Float8Linear,
+    LayerBars,
+    convert_to_float8,
+    dequantize,
+    sqnr_db,
+    to_float8,
+)
 from dtl.model import GPT, loss_fn, preset
+from dtl.precision import PRECISIONS
 
 OUTPUT_SQNR_DB = 18.0  # torchao's bars for a float8 linear against its bf16 twin
 GRAD_SQNR_DB = 17.0
@@ -70,20 +82,31 @@ def test_conversion_swaps_every_linear_but_the_head_and_keeps_the_parameters():
     assert {n: p for n, p in gpt.named_parameters()} == before
 
 
-def _one_step(gpt: GPT, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    logits = gpt(x[:, :-1])
-    loss_fn(logits, x[:, 1:]).backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters()}
+def _one_step_bars(gpt: GPT, x: torch.Tensor) -> dict[str, float]:
+    """One bf16-autocast step of a converted GPT, each float8 layer held against its fp32 matmul
+    (LayerBars): the worst output, dx and dW SQNR of the step."""
+    bars = LayerBars(gpt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(gpt(x[:, :-1]), x[:, 1:]).backward()
+    return bars.check_weight_grads()
 
 
-def test_a_float8_gpt_is_within_torchaos_bars_of_its_fp32_twin():
-    cfg = preset("small")
-    x = torch.randint(0, cfg.vocab_size, (4, 65), generator=_gen(5))
-    ref_logits, ref_grads = _one_step(GPT(cfg, seed=0), x)
-    logits, grads = _one_step(convert_to_float8(GPT(cfg, seed=0)), x)
-    assert sqnr_db(ref_logits, logits) >= OUTPUT_SQNR_DB
-    worst = min(grads, key=lambda n: sqnr_db(ref_grads[n], grads[n]))
-    assert sqnr_db(ref_grads[worst], grads[worst]) >= GRAD_SQNR_DB, worst
+def test_layer_bars_hold_every_float8_layer_to_torchaos_bars_and_catch_a_missing_scale(
+    monkeypatch,
+):
+    """The fp8 row's conversion of `small`, one step: every float8 layer within torchao's bars of
+    its own matmul in fp32 (day28_gpt125m.fp8 runs twenty such steps beside bf16). Cast without
+    their scales, the gradients fall far below the bar while the output still passes it."""
+    x = torch.randint(0, preset("small").vocab_size, (4, 65), generator=_gen(11))
+    worst = _one_step_bars(apply_conversion(GPT(preset("small"), seed=0), PRECISIONS["fp8"]), x)
+    assert worst["y"] >= OUTPUT_SQNR_DB and min(worst["dx"], worst["dW"]) >= GRAD_SQNR_DB, worst
+
+    def unscaled(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return t.detach().float().to(dtype), torch.ones(())
+
+    monkeypatch.setattr(float8, "to_float8", unscaled)
+    worst = _one_step_bars(apply_conversion(GPT(preset("small"), seed=0), PRECISIONS["fp8"]), x)
+    assert min(worst["dx"], worst["dW"]) < GRAD_SQNR_DB, worst
 
 
 def test_without_the_scale_small_gradients_fall_below_float8s_range(monkeypatch):
@@ -105,24 +128,3 @@ def test_without_the_scale_small_gradients_fall_below_float8s_range(monkeypatch)
     linear.weight.grad = None
     Float8Linear.from_linear(linear)(x).backward(dy)
     assert sqnr_db(want, linear.weight.grad) < GRAD_SQNR_DB
-
-
-def test_a_float8_gpt_trains_like_its_fp32_twin():
-    """Eight AdamW steps fitting one batch: the float8 run's losses stay within 2% of fp32's,
-    and both fall."""
-    cfg = preset("tiny")
-    x = torch.randint(0, cfg.vocab_size, (8, 33), generator=_gen(100))
-    losses = {}
-    for name, make in (("fp32", lambda g: g), ("float8", convert_to_float8)):
-        gpt = make(GPT(cfg, seed=0))
-        opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
-        losses[name] = []
-        for _ in range(8):
-            loss = loss_fn(gpt(x[:, :-1]), x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[name].append(loss.item())
-    gaps = [abs(a - b) / b for a, b in zip(losses["float8"], losses["fp32"])]
-    assert max(gaps) < 0.02, (losses, gaps)
-    assert losses["float8"][-1] < 0.9 * losses["float8"][0], losses

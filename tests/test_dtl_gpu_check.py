@@ -30,9 +30,12 @@ def test_the_plan_covers_what_only_a_gpu_can_show_and_fits_eight_minutes():
         (27, "profile"),  # a profile
         (28, "fsdp2"),  # a day-28 strategy
     }
+    fp8 = [p for p in PLAN if "--precision=fp8" in p.check.args]
+    assert fp8, "an FP8 line: float8 matmuls on tensor cores, which a CPU only emulates"
     assert wanted <= covered, wanted - covered
     fitting = [p for p, ok in zip(PLAN, gpu_check.fits(PLAN, 480)) if ok]
     assert wanted <= {(p.lesson.day, p.run.name) for p in fitting}  # all inside 8 minutes
+    assert fp8[0] in fitting
     assert sum(p.check.estimate_s for p in fitting) <= 480
     assert PLAN[0].run.name == "bench-mfu"  # the headline number comes first
     drill = next(p for p in PLAN if p.run.name == "drills")

@@ -99,8 +99,10 @@ def test_metrics_peak_asks_the_table_for_the_runs_precision(monkeypatch):
 
 
 def test_an_unknown_precision_is_one_line():
-    with pytest.raises(ValueError, match="unknown precision 'fp8'; choose one of fp32, bf16, fp16"):
-        precision("fp8")
+    with pytest.raises(
+        ValueError, match="unknown precision 'fp7'; choose one of fp32, bf16, fp16, fp8"
+    ):
+        precision("fp7")
 
 
 @pytest.mark.parametrize("module", CONFIGS_WITH_A_PRECISION)

