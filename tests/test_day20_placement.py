@@ -95,3 +95,5 @@ def test_a_v_pipeline_cuts_its_stages_hands_off_its_turn_and_sums_its_tie_like_o
     assert set(got) == set(want)
     for name, g in got.items():  # wte and lm_head: both the one-process (summed) gradient
         torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7, msg=name)
+    # summed in place on rank 0: the two copies hold the same gradient, bit for bit
+    assert torch.equal(rank0["grads"]["wte.weight"], rank0["grads"]["lm_head.weight"])
