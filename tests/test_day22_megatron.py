@@ -420,7 +420,7 @@ VALIDATED = [  # train_megatron's validate(): where megatron-core is installed (
 WITHOUT_MEGATRON = [  # our stack's checks, and a value the parser refuses before validate()
     (train_4d, ["--pp=2", "--cp=2"], "this stack runs CP and SP without PP only"),
     (train_4d, ["--chunks=2"], "--chunks=2 needs --pp >= 2"),
-    (train_megatron, ["--precision=fp8"], "unknown precision 'fp8'"),
+    (train_megatron, ["--precision=fp8"], "megatron-core does not train in fp8"),
     (train_4d, ["--tp=2", "--seq_len=64"], "seq_length 64 exceeds the model's 32 positions"),
 ]
 
