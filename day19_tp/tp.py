@@ -87,12 +87,13 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features // t
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, **like))
         self.bias = nn.Parameter(torch.zeros(out_features // t, **like)) if bias else None
+        self.linear = F.linear  # the matmul: F.linear, or a conversion's (dtl.float8)
 
     @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # exercise day19.column_row_forward: begin
         x = copy_to_tp(x, self.group)  # f: identity here, all-reduce of dL/dx in backward
-        y = F.linear(x, self.weight, self.bias)  # (…, in) @ (in, out/t) -> (…, out/t)
+        y = self.linear(x, self.weight, self.bias)  # (…, in) @ (in, out/t) -> (…, out/t)
         return gather_from_tp(y, self.group) if self.gather_output else y
         # exercise day19.column_row_forward: end
 
@@ -124,13 +125,14 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features // t, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, **like))
         self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
+        self.linear = F.linear  # the matmul: F.linear, or a conversion's (dtl.float8)
 
     @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # exercise day19.column_row_forward: begin
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)  # (…, in) -> (…, in/t)
-        y = F.linear(x, self.weight)  # (…, in/t) @ (in/t, out) -> (…, out): X_r A_r, partial
+        y = self.linear(x, self.weight)  # (…, in/t) @ (in/t, out) -> (…, out): X_r A_r, partial
         y = reduce_from_tp(y, self.group)  # g: sum over ranks -> X A on every rank
         return y + self.bias if self.bias is not None else y
         # exercise day19.column_row_forward: end

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from dtl.exercise_seam import exercise
 
@@ -94,16 +95,25 @@ class _Float8Matmul(torch.autograd.Function):
         return dx, dw
 
 
+def float8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear with its matmul in float8 (forward e4m3, gradients e5m2); the bias added after
+    the matmul, in its own dtype. What a layer whose matmul is a slot (`linear`, as day 19's
+    tensor-parallel layers have) runs once converted."""
+    rows = x.reshape(-1, weight.shape[1])  # (..., in) -> (rows, in)
+    # autograd.Function.apply is untyped in torch: its result is the forward's tensor
+    y: torch.Tensor = _Float8Matmul.apply(rows, weight)  # type: ignore[no-untyped-call]
+    y = y.reshape(*x.shape[:-1], weight.shape[0])  # (rows, out) -> (..., out)
+    return y if bias is None else y + bias
+
+
 class Float8Linear(nn.Linear):
     """nn.Linear whose matmul runs in float8 (forward e4m3, gradients e5m2); the weight and the
     bias stay in their own dtype, the bias added after the matmul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # (..., in) -> (rows, in)
-        # autograd.Function.apply is untyped in torch: its result is the forward's tensor
-        y: torch.Tensor = _Float8Matmul.apply(rows, self.weight)  # type: ignore[no-untyped-call]
-        y = y.reshape(*x.shape[:-1], self.out_features)  # (rows, out) -> (..., out)
-        return y if self.bias is None else y + self.bias
+        return float8_linear(x, self.weight, self.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Float8Linear:
@@ -124,9 +134,15 @@ def keep_high_precision(name: str) -> bool:
 def convert_to_float8(
     model: nn.Module, skip: Callable[[str], bool] = keep_high_precision
 ) -> nn.Module:
-    """Every nn.Linear of `model` whose name `skip` does not keep becomes a Float8Linear on the
-    same parameters, in place; returns `model`."""
+    """Every linear of `model` whose name `skip` does not keep runs its matmul in float8, in
+    place, on the same parameters: an nn.Linear becomes a Float8Linear; a layer whose matmul is
+    a slot, `linear` = F.linear (day 19's column- and row-parallel layers), gets float8_linear
+    in it. Returns `model`."""
     for name, module in list(model.named_modules()):
+        if skip(name):
+            continue
+        if getattr(module, "linear", None) is F.linear:  # a matmul slot: the layer's choice
+            module.linear = float8_linear
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear and not skip(full):

@@ -7,10 +7,13 @@ computes these numbers exactly as FP8 training does; it says nothing of speed.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 
+from day19_tp.tp import apply_tp, full_tensors, tp_loss
 from dtl import float8
 from dtl.conversion import apply_conversion
 from dtl.float8 import (
@@ -23,8 +26,10 @@ from dtl.float8 import (
     sqnr_db,
     to_float8,
 )
+from dtl.grid import ParallelGrid
 from dtl.model import GPT, loss_fn, preset
 from dtl.precision import PRECISIONS
+from dtl.testing import run_distributed
 
 OUTPUT_SQNR_DB = 18.0  # torchao's bars for a float8 linear against its bf16 twin
 GRAD_SQNR_DB = 17.0
@@ -152,3 +157,39 @@ def test_without_the_scale_small_gradients_fall_below_float8s_range(monkeypatch)
     linear.weight.grad = None
     Float8Linear.from_linear(linear)(x).backward(dy)
     assert sqnr_db(want, linear.weight.grad) < GRAD_SQNR_DB
+
+
+# --- day 19's tensor-parallel layers, converted -------------------------------------------------
+
+
+def _tp_float8_grads() -> dict[str, torch.Tensor]:
+    """tp = 2: the GPT cut by apply_tp, then converted; one step's full gradients, and which
+    matmul each parallel layer runs."""
+    grid = ParallelGrid(tp=2)
+    model = convert_to_float8(apply_tp(GPT(preset("small"), seed=0), grid))
+    slots = {
+        n: m.linear is float8.float8_linear
+        for n, m in model.named_modules()
+        if hasattr(m, "linear")
+    }
+    x = torch.randint(0, preset("small").vocab_size, (4, 33), generator=_gen(12))
+    tp_loss(model, model(x[:, :-1]), x[:, 1:]).backward()
+    return dict(grads=full_tensors(model, grads=True), slots=slots)
+
+
+def test_the_tensor_parallel_layers_convert_and_their_float8_step_meets_the_bars():
+    """Day 19's column- and row-parallel layers hold their matmul in a slot; the conversion puts
+    float8_linear there. At tp = 2 each rank scales its own shard (its own amax), so the step is
+    not the one-process float8 step bit for bit, but every converted weight's gradient is within
+    torchao's gradient bar of the fp32 one-process gradient."""
+    rank0 = run_distributed(_tp_float8_grads, world_size=2)[0]
+    assert rank0["slots"] and all(rank0["slots"].values()), rank0["slots"]
+    x = torch.randint(0, preset("small").vocab_size, (4, 33), generator=_gen(12))
+    ref = GPT(preset("small"), seed=0)
+    loss_fn(ref(x[:, :-1]), x[:, 1:]).backward()
+    worst = math.inf
+    for name, p in ref.named_parameters():
+        converted = name.rsplit(".", 1)[0] in {n for n in rank0["slots"]}
+        if converted and name.endswith("weight"):
+            worst = min(worst, sqnr_db(p.grad, rank0["grads"][name]))
+    assert worst >= GRAD_SQNR_DB, worst  # measured 18.7 dB; one process in float8: 19.0 dB
