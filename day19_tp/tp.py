@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from dtl.exercise_seam import exercise
+from dtl.float8 import AmaxGroups
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
 from dtl.precision import at_least_fp32
@@ -88,6 +89,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, **like))
         self.bias = nn.Parameter(torch.zeros(out_features // t, **like)) if bias else None
         self.linear = F.linear  # the matmul: F.linear, or a conversion's (dtl.float8)
+        # the input is whole on every rank; the weight's rows and dL/d(output)'s columns are split
+        self.amax_groups = AmaxGroups(input=None, weight=group, grad=group)
 
     @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +129,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, **like))
         self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
         self.linear = F.linear  # the matmul: F.linear, or a conversion's (dtl.float8)
+        # the input's and the weight's columns are split; dL/d(output) is whole after g
+        self.amax_groups = AmaxGroups(input=group, weight=group, grad=None)
 
     @exercise("day19.column_row_forward")
     def forward(self, x: torch.Tensor) -> torch.Tensor:

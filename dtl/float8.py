@@ -21,11 +21,14 @@ GPU here; a CPU runs no faster, nor is it measured here).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -36,12 +39,32 @@ E5M2 = torch.float8_e5m2  # gradients: more range
 AMAX_FLOOR = 1e-12  # an all-zero tensor keeps a finite scale
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class AmaxGroups:
+    """Where a matmul's operands are split: for its input, weight and output gradient, the
+    process group over whose ranks the tensor lies in pieces (day 19's tensor parallelism), or
+    None where every rank holds it whole. A per-tensor scale belongs to the whole tensor, so a
+    split operand's amax is the maximum over its group."""
+
+    input: Any = None
+    weight: Any = None
+    grad: Any = None
+
+
+WHOLE = AmaxGroups()  # one process, or every operand replicated
+
+
+def to_float8(
+    t: torch.Tensor, dtype: torch.dtype, group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`t` cast to the float8 `dtype` with a per-tensor dynamic scale; returns (the float8
-    tensor, the inverse scale, an fp32 scalar): t ≈ t8.float() * inverse."""
+    tensor, the inverse scale, an fp32 scalar): t ≈ t8.float() * inverse. With `group`, t is
+    this rank's piece of a tensor split over it, and the scale is the whole tensor's."""
     top = torch.finfo(dtype).max
-    amax = t.detach().abs().max().float().clamp(min=AMAX_FLOOR)
-    scale = top / amax
+    amax = t.detach().abs().max().float()
+    if group is not None:  # () -> (): the largest |value| over every piece, one MAX all-reduce
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = top / amax.clamp(min=AMAX_FLOOR)
     t8 = (t.detach().float() * scale).clamp(-top, top).to(dtype)
     return t8, scale.reciprocal()
 
@@ -73,37 +96,41 @@ class _Float8Matmul(torch.autograd.Function):
     """x @ w^T with both operands in e4m3, and dx, dw from dy in e5m2."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x8, x_inv = to_float8(x, E4M3)  # (rows, in)
-        w8, w_inv = to_float8(w, E4M3)  # (out, in)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, groups: AmaxGroups) -> torch.Tensor:
+        x8, x_inv = to_float8(x, E4M3, groups.input)  # (rows, in)
+        w8, w_inv = to_float8(w, E4M3, groups.weight)  # (out, in)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)  # 1 byte per element kept for backward
-        ctx.dtypes = (x.dtype, w.dtype)
+        ctx.dtypes, ctx.groups = (x.dtype, w.dtype), groups
         return scaled_matmul(x8, x_inv, w8.t(), w_inv, x.dtype)  # (rows, out)
 
     @staticmethod
     @exercise("day28.float8_backward")
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         """dx = dy @ W and dW = dy^T @ x, from dy cast to e5m2 and the e4m3 copies the forward
         kept, each product in the dtype its parameter or input had."""
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         # exercise day28.float8_backward: begin
-        dy8, dy_inv = to_float8(dy, E5M2)  # (rows, out)
+        dy8, dy_inv = to_float8(dy, E5M2, ctx.groups.grad)  # (rows, out)
         dx = scaled_matmul(dy8, dy_inv, w8, w_inv, x_dtype)  # (rows, out) @ (out, in)
         dw = scaled_matmul(dy8.t(), dy_inv, x8, x_inv, w_dtype)  # (out, rows) @ (rows, in)
         # exercise day28.float8_backward: end
-        return dx, dw
+        return dx, dw, None
 
 
 def float8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    groups: AmaxGroups = WHOLE,
 ) -> torch.Tensor:
     """F.linear with its matmul in float8 (forward e4m3, gradients e5m2); the bias added after
-    the matmul, in its own dtype. What a layer whose matmul is a slot (`linear`, as day 19's
-    tensor-parallel layers have) runs once converted."""
+    the matmul, in its own dtype; `groups`: where its operands are split (their scales are the
+    whole tensors'). What a layer whose matmul is a slot (`linear`, as day 19's tensor-parallel
+    layers have) runs once converted."""
     rows = x.reshape(-1, weight.shape[1])  # (..., in) -> (rows, in)
     # autograd.Function.apply is untyped in torch: its result is the forward's tensor
-    y: torch.Tensor = _Float8Matmul.apply(rows, weight)  # type: ignore[no-untyped-call]
+    y: torch.Tensor = _Float8Matmul.apply(rows, weight, groups)  # type: ignore[no-untyped-call]
     y = y.reshape(*x.shape[:-1], weight.shape[0])  # (rows, out) -> (..., out)
     return y if bias is None else y + bias
 
@@ -137,12 +164,14 @@ def convert_to_float8(
     """Every linear of `model` whose name `skip` does not keep runs its matmul in float8, in
     place, on the same parameters: an nn.Linear becomes a Float8Linear; a layer whose matmul is
     a slot, `linear` = F.linear (day 19's column- and row-parallel layers), gets float8_linear
-    in it. Returns `model`."""
+    in it, with the operand groups the layer declares (`amax_groups`; WHOLE if none). Returns
+    `model`."""
     for name, module in list(model.named_modules()):
         if skip(name):
             continue
         if getattr(module, "linear", None) is F.linear:  # a matmul slot: the layer's choice
-            module.linear = float8_linear
+            groups = getattr(module, "amax_groups", WHOLE)
+            module.linear = functools.partial(float8_linear, groups=groups)
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear and not skip(full):
