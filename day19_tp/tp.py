@@ -31,8 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from dtl.amax_groups import AmaxGroups
 from dtl.exercise_seam import exercise
-from dtl.float8 import AmaxGroups
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
 from dtl.precision import at_least_fp32

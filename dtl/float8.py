@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,26 +31,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtl.amax_groups import WHOLE, AmaxGroups
 from dtl.exercise_seam import exercise
 
 E4M3 = torch.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = torch.float8_e5m2  # gradients: more range
 AMAX_FLOOR = 1e-12  # an all-zero tensor keeps a finite scale
-
-
-@dataclass(frozen=True)
-class AmaxGroups:
-    """Where a matmul's operands are split: for its input, weight and output gradient, the
-    process group over whose ranks the tensor lies in pieces (day 19's tensor parallelism), or
-    None where every rank holds it whole. A per-tensor scale belongs to the whole tensor, so a
-    split operand's amax is the maximum over its group."""
-
-    input: Any = None
-    weight: Any = None
-    grad: Any = None
-
-
-WHOLE = AmaxGroups()  # one process, or every operand replicated
 
 
 def to_float8(

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from day19_tp.tp import apply_tp, full_tensors, tp_loss
 from dtl import float8
+from dtl.amax_groups import WHOLE
 from dtl.conversion import apply_conversion
 from dtl.float8 import (
     E4M3,
@@ -172,7 +173,7 @@ def _tp_float8_grads() -> dict:
         if scales == "per piece":
             for m in model.modules():
                 if hasattr(m, "amax_groups"):
-                    m.amax_groups = float8.WHOLE  # as if every piece were the whole tensor
+                    m.amax_groups = WHOLE  # as if every piece were the whole tensor
         convert_to_float8(model)
         out["slots"] = {
             n: getattr(m.linear, "func", None) is float8.float8_linear
