@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from day20_pp import schedules
 from day20_pp.pipeline import PipelineRunner, build_stages, stage_parameters
+from day20_pp.placement import Schedule
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
@@ -111,13 +112,13 @@ class FixedCostStage(nn.Module):
         return y + _WeightPath.apply(self.w, self.t)  # the W path: reached only for weights
 
 
-def measure_bubble(cfg: Config, p: int, name: str, v: int, device) -> float:
-    """Idle fraction of the last of cfg.steps steps on the first p ranks (a pp group)."""
+def measure_bubble(cfg: Config, plan: Schedule, device) -> float:
+    """Idle fraction of the last of cfg.steps steps of `plan` on the first p ranks (a pp
+    group)."""
+    p, v = plan.placement.p, plan.placement.v  # v: the stages each rank holds (a V holds two)
     world = dist.get_world_size()
     grid = ParallelGrid(pp=p, dp=world // p)
     width = 8
-    plan = schedules.make(name, p, cfg.microbatches, v)
-    v = plan.placement.v  # the stages each rank holds: DualPipe-V's V holds two
     gcfg = GPTConfig(n_layer=p * v, n_head=1, n_embd=width, vocab_size=width, tie_weights=False)
     first = [plan.placement.stage(grid.pp_rank, c) == 0 for c in range(v)]
     stages = [
@@ -147,9 +148,10 @@ def run_bubble(cfg: Config, info) -> list[dict]:
             continue
         for name, v in RUNS:
             m = cfg.microbatches
-            measured = measure_bubble(cfg, p, name, v, info.device)
+            plan = schedules.make(name, p, m, v)
+            measured = measure_bubble(cfg, plan, info.device)
             formula = schedules.bubble_formula(name, p, m, v)
-            chunks = schedules.make(name, p, m, v).placement.v  # stages per rank
+            chunks = plan.placement.v  # stages per rank
             rows.append(dict(p=p, schedule=name, v=chunks, m=m, measured=measured, formula=formula))
             dtl_dist.print0(
                 f"p={p} {name:<11} v={chunks} m={m}: idle {measured:.3f} vs formula "

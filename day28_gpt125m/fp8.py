@@ -10,8 +10,8 @@ fp8 run, each float8 layer is held against its own matmul in fp32 on the same in
 (dtl.float8.LayerBars: output, input gradient, weight gradient), by torchao's bars: output SQNR
 >= 18 dB, gradients >= 17 dB. Then the two runs' losses side by side. On a CPU,
 torch._scaled_mm computes in fp32 from the float8 values, so the numbers are FP8 training's and
-the time is not: the step is slower than bf16's here, where an H100 runs float8 matmuls at
-twice its bf16 rate (the datasheet's; not run on a GPU).
+the time is not (not measured here; an H100's datasheet gives float8 matmuls twice its bf16
+rate, not run on a GPU).
 """
 
 from __future__ import annotations
@@ -47,12 +47,11 @@ class Config:
             )
 
 
-def train(cfg: Config, precision: str, device: torch.device, bars: bool = False) -> dict:
-    """`cfg.steps` AdamW steps of the GPT in the row `precision` (its autocast, its conversion);
-    the losses, and with `bars` each step's worst float8-layer SQNR."""
+def train(cfg: Config, tokens, precision: str, device: torch.device, bars: bool = False) -> dict:
+    """`cfg.steps` AdamW steps of the GPT in the row `precision` (its autocast, its conversion)
+    on batches of `tokens`; the losses, and with `bars` each step's worst float8-layer SQNR."""
     row = PRECISIONS[precision]
     mcfg = preset(cfg.model)
-    tokens = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size)).train
     model = apply_conversion(GPT(mcfg, seed=0), row).to(device)
     watch = LayerBars(model) if bars else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -74,8 +73,9 @@ def train(cfg: Config, precision: str, device: torch.device, bars: bool = False)
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)
     info = dtl_dist.init()
-    fp8 = train(cfg, "fp8", info.device, bars=True)
-    bf16 = train(cfg, "bf16", info.device)
+    tokens = load_corpus(tokenizer=tokenizer_for(preset(cfg.model).vocab_size)).train
+    fp8 = train(cfg, tokens, "fp8", info.device, bars=True)
+    bf16 = train(cfg, tokens, "bf16", info.device)
     dtl_dist.print0(
         f"{cfg.model}, {cfg.steps} AdamW steps of {cfg.batch_size} x {cfg.seq_len} tokens; worst "
         "float8 layer against its fp32 matmul, SQNR dB"
