@@ -1,7 +1,7 @@
 """Day 19: draw who owns which weight elements under tensor parallelism, from the TP plan itself.
 
 Each weight of one block is replaced by a tensor of its element indices, cut with the same
-`dtl.model.shard_tensor` that apply_tp uses, and every element is coloured by the rank that
+`dtl.tp_plan.shard_tensor` that apply_tp uses, and every element is coloured by the rank that
 receives it: the picture cannot disagree with the code.
 
     python -m day19_tp.layout --tp=2        # writes outputs/day19_tp/layout.png
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from dtl import config as dtl_config
-from dtl.model import GPT, GPTConfig, shard_tensor, tp_shard_of
+from dtl.model import GPT, GPTConfig
+from dtl.tp_plan import shard_tensor, tp_shard_of
 
 # one block's matrices, as torch stores them (out x in), with the operator around each
 PANELS = [
@@ -206,7 +207,7 @@ def block_figure():
     ]
     ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
     ax.set_title(
-        "One GPT block on one of t tensor-parallel ranks (dtl.model.TP_PLAN): shapes one "
+        "One GPT block on one of t tensor-parallel ranks (dtl.tp_plan.TP_PLAN): shapes one "
         "rank holds; per block 2 all-reduces of B·T·C forward (g), 2 backward (f)",
         fontsize=10,
     )

@@ -34,8 +34,9 @@ from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatte
 from dtl.amax_groups import AmaxGroups
 from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, GPTConfig, pad_vocab_size, shard_tensor, tp_shard_of
+from dtl.model import GPT, GPTConfig, pad_vocab_size
 from dtl.precision import at_least_fp32
+from dtl.tp_plan import shard_tensor, tp_shard_of
 
 
 class TPError(ValueError):
@@ -264,7 +265,7 @@ def apply_tp(model: GPT, grid: ParallelGrid, *, pad_vocab: bool = False) -> GPT:
     """Turn the dense GPT into its tensor-parallel version over grid.tp_group, in place.
 
     Expects the one-process model (the same weights on every rank, e.g. GPT(cfg, seed)); each
-    module named in dtl.model.TP_PLAN is replaced by its parallel version holding this rank's
+    module named in dtl.tp_plan.TP_PLAN is replaced by its parallel version holding this rank's
     shard of the dense weight (`shard_tensor`), so the TP model starts equal to the dense one.
     Leaves LayerNorms and wpe replicated, `model.tp` (TPInfo), and a forward that returns this
     rank's (B, T, V/t) logits: use `tp_loss`. With pad_vocab, a vocabulary that does not divide
@@ -315,7 +316,7 @@ def _apply_vocab_parallel(model: GPT, group, r: int, t: int, padded: int) -> Non
 
 
 def _unshard(pieces: list[torch.Tensor], style: str, blocks: int, is_bias: bool) -> torch.Tensor:
-    """The inverse of dtl.model.shard_tensor: t rank pieces -> the full tensor."""
+    """The inverse of dtl.tp_plan.shard_tensor: t rank pieces -> the full tensor."""
     if style == "row":
         return pieces[0] if is_bias else torch.cat(pieces, dim=1)
     per_block = [p.chunk(blocks, dim=0) for p in pieces]  # [rank][block]

@@ -44,7 +44,8 @@ from day19_tp.tp import (
 from day19_tp.tp_comms import _all_reduce
 from dtl import compat
 from dtl import profile as dtl_profile
-from dtl.model import GPT, tp_shard_of
+from dtl.model import GPT
+from dtl.tp_plan import tp_shard_of
 
 
 class SPError(ValueError):

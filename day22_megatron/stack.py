@@ -14,10 +14,13 @@ The order and what each step leaves for the next:
     2. apply_sp (day 21)   optional: TP's replicated activations split over the same group
     3. apply_cp (day 21)   attention becomes ring (or Ulysses) attention over grid.cp_group; a
                            batch row is cut into this rank's T/cp tokens and their positions
+       apply_ep (ep.py)    where the grid has an ep axis: each MoE layer keeps its E/ep
+                           experts and moves tokens to them by all-to-all over grid.ep_group
     4. apply_pp (day 20)   the model is cut into this rank's stages; a schedule's action list
                            runs every micro-batch's forward and backward, p2p between stages
     5. DP                  every gradient averaged over the axes its parameter's record names
-                           (dp x cp for all of them), once per step, after the last backward
+                           (dp x cp, and ep for all but the experts), once per step, after the
+                           last backward
 The reduction table (dtl.reduction, `stack.reduction`) says, parameter by parameter, which grid
 axes hold its replicas, its pieces and its stages: the DP average, the global norm and the full
 state read it, never a parameter's name.
@@ -38,6 +41,7 @@ from day19_tp.tp import apply_tp, full_tensors, tp_loss
 from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
+from day22_megatron.ep import EP_AXIS, apply_ep
 from day22_megatron.layouts import LayoutError
 from dtl import profile as dtl_profile
 from dtl import simulate
@@ -45,6 +49,7 @@ from dtl.dist import average_gradients
 from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
+from dtl.moe import set_aux_loss_scale
 from dtl.optim import OptimConfig
 from dtl.reduction import ReductionTable, gpt_reductions
 from dtl.state import StateBytes, live_state_bytes
@@ -101,7 +106,7 @@ def build_stack(
     gpt.set_recompute(recompute)  # dtl.model: every block, so every stage's copy of it
     if next(gpt.parameters()).device != torch.device(device):
         gpt = gpt.to(device)  # (not called when already there: fake tensors cannot be swapped)
-    reduction = gpt_reductions(gpt)  # the one-process names, before any layer changes them
+    reduction = gpt_reductions(gpt, grid.axes)  # one-process names, before a layer changes them
     unplaced = reduction.unplaced(a for a in grid.axes if grid.group_size(a) > 1)
     if unplaced:  # a grid axis no record places: its ranks would never be reduced together
         raise ValueError(f"the reduction table gives the grid axis {unplaced} no role")
@@ -111,6 +116,9 @@ def build_stack(
         apply_sp(gpt)
     if grid.pp_size == 1:  # (under PP, cp = 1: nothing to do)
         apply_cp(gpt, grid, attn)  # cp = 1: the fused kernel stays; it only records model.cp
+    if grid.sizes.get(EP_AXIS, 1) > 1:
+        apply_ep(gpt, grid.group(EP_AXIS))  # my experts only; tokens by all-to-all
+    set_aux_loss_scale(gpt, 1 / microbatches)  # the loss is divided by m: so is the aux's
     loss = (lambda logits, y: tp_loss(gpt, logits, y)) if grid.tp_size > 1 else loss_fn
     pipeline = None
     if grid.pp_size > 1:
@@ -154,8 +162,11 @@ def sync_gradients(stack: Stack) -> int:
     the axes its record names (dp x cp for every GPT parameter: CP ranks saw other parts of the
     same rows); one all-reduce per set of axes. Returns the bytes reduced."""
     groups = stack.reduction.average_groups(stack.named)  # axes -> this rank's parameters
+    table, grid = stack.reduction, stack.grid
     return sum(
-        average_gradients(params, stack.grid.group(*axes))
+        average_gradients(
+            params, grid.group(*axes), grid.group_size(*table.divisor_axes(axes))
+        )  # an expert's sum over its ep ranks' tokens is divided by their count too
         for axes, params in groups.items()
         if axes  # (a parameter with no replica to average with: nothing to send)
     )
@@ -223,8 +234,8 @@ def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
     copies = table.copies()  # name -> its source (a last stage's copy of the tied weight)
     mine = {n: t for n, t in mine.items() if n not in copies}
     pieces: list = [mine]
-    if table.stage_axes:  # each rank along them holds other tensors: every rank's dict
-        stages = grid.group(*table.stage_axes)
+    if table.merge_axes:  # each rank along them holds other tensors: every rank's dict
+        stages = grid.group(*table.merge_axes)
         pieces = [None] * dist.get_world_size(stages)
         dist.all_gather_object(pieces, mine, group=stages)
     merged = {k: v for piece in pieces for k, v in piece.items()}

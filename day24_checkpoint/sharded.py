@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from day24_checkpoint.ckpt import Progress, RunState
-from dtl.model import tp_shard_of
+from dtl.tp_plan import tp_shard_of
 
 QKV = ("q", "k", "v")  # the fused c_attn's three blocks, saved apart
 

@@ -216,26 +216,32 @@ def all_reduce_scalar(
 
 
 def average_gradients(
-    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+    params: Iterable[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    divisor: int | None = None,
 ) -> int:
     """Data parallelism after the fact: every gradient averaged over `group`, in one all-reduce
     per dtype (the gradients flattened into one buffer, as a DDP bucket is), for lessons whose
     backward is not a single call DDP could hook (a pipeline's micro-batches). Returns the bytes
-    all-reduced. Parameters without a gradient are skipped; every rank must hold the same
+    all-reduced. `divisor` (default: the group's size) is what the sum is divided by: more than
+    the group when each gradient already sums other ranks' shares (an expert's, under expert
+    parallelism). Parameters without a gradient are skipped; every rank must hold the same
     parameters with gradients, in the same order."""
     n = dist.get_world_size(group)
+    divisor = divisor or n
     grads = [p.grad for p in params if p.grad is not None]
-    if n == 1 or not grads:
+    if divisor == 1 or not grads:
         return 0
     sent = 0
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = FlatBuffer.of(same)  # (sum of numels,): one bucket
-        with profile.range(profile.comm_name("all_reduce", "dp grads")):
-            dist.all_reduce(flat.data, group=group)
-        flat.data /= n
+        if n > 1:
+            with profile.range(profile.comm_name("all_reduce", "dp grads")):
+                dist.all_reduce(flat.data, group=group)
+            sent += flat.data.numel() * flat.data.element_size()
+        flat.data /= divisor
         flat.copy_to(same)
-        sent += flat.data.numel() * flat.data.element_size()
     return sent
 
 

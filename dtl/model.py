@@ -1,4 +1,4 @@
-"""The small GPT every later day parallelizes: nanoGPT's shape, per-parameter init, a TP plan.
+"""The small GPT every later day parallelizes: nanoGPT's shape, per-parameter init, an MoE option.
 
 Module names follow nanoGPT / GPT-2 so readers can map them onto checkpoints and papers:
 `wte`, `wpe`, `blocks.<i>.ln_1`, `blocks.<i>.attn.c_attn` (fused QKV), `.attn.c_proj`,
@@ -10,7 +10,8 @@ What makes it ready to be split:
   parameter keeps its one-process name (`blocks.5.mlp.c_fc.weight`), which is what per-parameter
   init and distributed checkpoints key on. `forward` skips the pieces a stage does not hold.
 - Attention reads its local head count from the width of `c_attn`, so a `c_attn` holding one
-  tensor-parallel rank's heads (Q, K and V each split by heads: `TP_PLAN`) runs unchanged.
+  tensor-parallel rank's heads (Q, K and V each split by heads: `dtl.tp_plan.TP_PLAN`) runs
+  unchanged.
 - Attention is a plain function `attn_fn(q, k, v) -> y` on (B, nh, T, hs) tensors, causal: ring
   attention (day 21) plugs in with `model.set_attention(fn)`.
 - Every parameter's initial value is a pure function of `(seed, its name)` (`init_tensor`), so a
@@ -40,7 +41,6 @@ eps = 1e-8 and 5e-6 at eps = 1e-6: Adam checks use eps = 1e-6 and say their tole
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
 from collections.abc import Callable, Iterable
@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dtl.moe import MoE, MoEConfig
 from dtl.precision import at_least_fp32
 
 GPT2_VOCAB_SIZE = 50257  # the real GPT-2 BPE vocabulary: the size the notes count
@@ -87,6 +88,7 @@ class GPTConfig:
     bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
     dropout: float = 0.0
     tie_weights: bool = True  # lm_head shares wte's weight, as in GPT-2
+    moe: MoEConfig | None = None  # every block's MLP a mixture of experts (dtl.moe); None: dense
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -103,6 +105,10 @@ PRESETS: dict[str, GPTConfig] = {
     # tests with Adam: no bias anywhere, so no gradient is rounding noise (module docstring)
     "tiny-nobias": GPTConfig(
         n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, bias=False
+    ),
+    # expert parallelism: 4 experts of 4C, top-2 (tiny-nobias's trunk, for Adam checks)
+    "tiny-moe": GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, bias=False, moe=MoEConfig()
     ),
     # CPU demos: the real GPT-2 vocabulary, padded to a multiple of 64 as nanoGPT does (50,304)
     "small": GPTConfig(
@@ -127,59 +133,6 @@ def preset(name: str, **overrides: Any) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown GPT preset '{name}'; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
-
-
-# --- the tensor-parallel plan: one declaration read by the TP, SP and checkpoint days ------------
-
-
-@dataclass(frozen=True)
-class Shard:
-    """How a module's weight (and bias) is split over tensor-parallel ranks.
-
-    column  Linear, output features split: weight rows (dim 0) and bias; Y_t = X A_t
-    row     Linear, input features split: weight columns (dim 1); the partial outputs are summed
-            (all-reduce), so the bias is added once, after the sum: not split
-    vocab   Embedding (or the output layer) with the vocabulary split: rows (dim 0)
-    `blocks` > 1: the output is several tensors side by side (the fused QKV: 3), each split on
-    its own, so a rank holds [Q_t; K_t; V_t], i.e. whole heads of each.
-    """
-
-    style: str
-    blocks: int = 1
-
-
-TP_PLAN: dict[str, Shard] = {
-    "wte": Shard("vocab"),
-    "blocks.*.attn.c_attn": Shard("column", blocks=3),  # fused Q, K, V: split by heads
-    "blocks.*.attn.c_proj": Shard("row"),
-    "blocks.*.mlp.c_fc": Shard("column"),
-    "blocks.*.mlp.c_proj": Shard("row"),
-    "lm_head": Shard("vocab"),  # column-parallel over the vocabulary (tied to wte)
-}  # not listed (wpe, ln_1, ln_2, ln_f): replicated on every TP rank
-
-
-def tp_shard_of(module_name: str) -> Shard | None:
-    """The plan's entry for a module name, or None when the module is replicated."""
-    return next((s for pat, s in TP_PLAN.items() if fnmatch.fnmatchcase(module_name, pat)), None)
-
-
-def shard_tensor(
-    full: torch.Tensor, shard: Shard, is_bias: bool, tp_rank: int, tp_size: int
-) -> torch.Tensor:
-    """Rank `tp_rank`'s piece of a full weight or bias under `shard` (a copy)."""
-    if shard.style == "row":
-        return full.clone() if is_bias else _split(full, 1, 1, tp_rank, tp_size)
-    return _split(full, 0, shard.blocks, tp_rank, tp_size)
-
-
-def _split(t: torch.Tensor, dim: int, blocks: int, rank: int, size: int) -> torch.Tensor:
-    if t.size(dim) % (blocks * size):
-        raise ValueError(
-            f"dimension {dim} of size {t.size(dim)} does not split into {blocks} block(s) x "
-            f"{size} ranks"
-        )
-    pieces = [b.chunk(size, dim)[rank] for b in t.chunk(blocks, dim)]
-    return torch.cat(pieces, dim).clone()
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -239,15 +192,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        hidden = hidden or 4 * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.dropout(self.c_proj(self.gelu(self.c_fc(x)))))
+
+
+def _mlp(cfg: GPTConfig) -> nn.Module:
+    """The block's MLP: dense, or E expert MLPs behind a router (named `mlp` either way)."""
+    moe = cfg.moe
+    if moe is None:
+        return MLP(cfg)
+    return MoE(cfg.n_embd, moe, lambda: MLP(cfg, moe.hidden(cfg.n_embd)))
 
 
 class Block(nn.Module):
@@ -256,7 +218,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = _mlp(cfg)
         self.recompute_all = False  # GPT.set_recompute("full")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -414,12 +376,18 @@ def materialize(
 # --- sizes and FLOPs, computed from the config alone (no weights allocated) -----------------
 
 
-def num_params(cfg: GPTConfig, exclude_position_embedding: bool = False) -> int:
-    """Parameter count of GPT(cfg), by formula. Tested against the built module (meta device)."""
+def num_params(
+    cfg: GPTConfig, exclude_position_embedding: bool = False, active: bool = False
+) -> int:
+    """Parameter count of GPT(cfg), by formula. Tested against the built module (meta device).
+    `active`: an MoE's parameters one token uses (the router and k of the E experts)."""
     C, L, V, T, b = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size, int(cfg.bias)
     ln = C * (1 + b)
     per_block = 2 * ln + (C * 3 * C + 3 * C * b) + (C * C + C * b)  # ln_1, ln_2, c_attn, c_proj
-    per_block += (C * 4 * C + 4 * C * b) + (4 * C * C + C * b)  # mlp.c_fc, mlp.c_proj
+    if cfg.moe is None:
+        per_block += (C * 4 * C + 4 * C * b) + (4 * C * C + C * b)  # mlp.c_fc, mlp.c_proj
+    else:  # the router and E experts (k of them, active)
+        per_block += cfg.moe.layer_params(C, cfg.bias, cfg.moe.top_k if active else None)
     total = V * C + L * per_block + ln + (0 if cfg.tie_weights else V * C)
     return total + (0 if exclude_position_embedding else T * C)
 
@@ -433,10 +401,11 @@ def flops_per_token(
     weights wte is counted once, standing for the lm_head matmul; untied, wte is a lookup too
     and is left out (lm_head counts). Biases and LayerNorm weights are in N (as in nanoGPT).
     The attention term counts the full T x T score matrix (nanoGPT, torchtitan); with
-    `causal_halved=True` it is halved for the causal mask (llm.c, current Megatron).
+    `causal_halved=True` it is halved for the causal mask (llm.c, current Megatron). An MoE
+    counts its active parameters: a token runs the router and k experts, not E.
     """
     T = seq_len or cfg.block_size
-    N = num_params(cfg, exclude_position_embedding=True)
+    N = num_params(cfg, exclude_position_embedding=True, active=True)
     if not cfg.tie_weights:
         N -= cfg.vocab_size * cfg.n_embd  # the untied wte: a lookup
     attn = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T

@@ -11,6 +11,10 @@ Each grid axis plays one of four roles for a parameter:
               squares summed in the norm, the pieces joined for the full tensor
     stage     ranks hold different tensors (pp: each pipeline stage its own layers): the squares
               summed, the stages' tensors merged for the full state
+    routed    ranks hold different tensors and send this one their tokens (ep for an expert: the
+              all-to-all brings every ep rank's tokens to its owner, so its gradient already
+              sums their losses' shares): the average divides by their count too; the squares
+              summed and the tensors merged, as for stages
 
 and a parameter may be a `copy_of` another (a tied lm_head on the last stage: the pipeline sums
 its gradient into wte's, and the norm and the full state count it under wte).
@@ -35,11 +39,15 @@ from typing import Any
 
 import torch
 
-from dtl.model import GPT, tp_shard_of
+from dtl.grid import AXES
+from dtl.model import GPT
+from dtl.moe import MoE
+from dtl.tp_plan import tp_shard_of
 
 DATA = ("dp", "cp")  # the ranks that saw other tokens: every GPT parameter is averaged over them
 TENSOR = ("tp",)  # the TP plan's axis: its modules are sharded over it, the rest replicated
 PIPELINE = ("pp",)  # each stage holds its own layers
+EXPERT = ("ep",)  # expert parallelism: each rank its own experts, every rank's tokens
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Reduction:
     replica: tuple[str, ...] = ()
     shard: tuple[str, ...] = ()
     stage: tuple[str, ...] = ()
+    routed: tuple[str, ...] = ()
     copy_of: str | None = None  # the parameter this one is a copy of (it stands for both)
 
     def __post_init__(self) -> None:
@@ -59,7 +68,16 @@ class Reduction:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis this record gives a role."""
-        return self.average + self.replica + self.shard + self.stage
+        return self.average + self.replica + self.shard + self.stage + self.routed
+
+    def within(self, axes: Iterable[str]) -> Reduction:
+        """The record with the axes a grid lacks left out (no ep axis: no expert parallelism)."""
+        keep = set(axes)
+        roles = ("average", "replica", "shard", "stage", "routed")
+        changes: dict[str, Any] = {
+            r: tuple(a for a in getattr(self, r) if a in keep) for r in roles
+        }
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -96,11 +114,24 @@ class ReductionTable(Mapping[str, Reduction]):
         return self._union("stage")
 
     @property
+    def merge_axes(self) -> tuple[str, ...]:
+        """The axes over which ranks hold different tensors (stages, experts): merged by name."""
+        return tuple(dict.fromkeys(self.stage_axes + self._union("routed")))
+
+    @property
     def norm_axes(self) -> tuple[str, ...]:
-        """Where the global norm's squares are summed: the axes of pieces, of stages and of
-        copies (counted once: at coordinate 0). The averaged replicas (dp, cp) hold the same
-        numbers once averaged, so the sum leaves them out."""
-        return tuple(dict.fromkeys(self._union("replica") + self.shard_axes + self.stage_axes))
+        """Where the global norm's squares are summed: the axes of pieces, of stages, of experts
+        and of copies (counted once: at coordinate 0). The averaged replicas (dp, cp) hold the
+        same numbers once averaged, so the sum leaves them out."""
+        return tuple(dict.fromkeys(self._union("replica") + self.shard_axes + self.merge_axes))
+
+    def divisor_axes(self, average: tuple[str, ...]) -> tuple[str, ...]:
+        """What the gradients averaged over `average` are divided by: those axes and the routed
+        axes of the parameters averaged over them (one answer, or a one-line error)."""
+        routed = {r.routed for r in self.records.values() if r.average == average}
+        if len(routed) > 1:
+            raise ValueError(f"parameters averaged over {average} are routed over {routed}")
+        return average + (routed.pop() if routed else ())
 
     @property
     def average_axes(self) -> tuple[tuple[str, ...], ...]:
@@ -134,20 +165,38 @@ class ReductionTable(Mapping[str, Reduction]):
         return groups
 
 
-def gpt_reductions(gpt: GPT) -> ReductionTable:
-    """The table for the shared GPT under the course's stack: averaged over dp x cp; sharded
-    over tp where dtl.model.TP_PLAN splits the module (a row-parallel bias excepted: added
-    after the sum, whole on every TP rank), replicated over tp elsewhere; each layer on its
-    pipeline stage; a tied lm_head a copy of wte. Names are the one-process model's (`gpt`
-    before a pipeline cuts it; apply_tp keeps them)."""
+def expert_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters inside an MoE layer's experts (none in a dense model)."""
+    return [
+        f"{prefix}.experts.{name}"
+        for prefix, layer in model.named_modules()
+        if isinstance(layer, MoE)
+        for name, _ in layer.experts.named_parameters()
+    ]
+
+
+def gpt_reductions(gpt: GPT, axes: Iterable[str] = AXES) -> ReductionTable:
+    """The table for the shared GPT under the course's stack, on a grid of `axes`: averaged over
+    dp x cp; sharded over tp where dtl.tp_plan.TP_PLAN splits the module (a row-parallel bias
+    excepted: added after the sum, whole on every TP rank), replicated over tp elsewhere; each
+    layer on its pipeline stage; a tied lm_head a copy of wte. With an ep axis, an expert is
+    routed over it and every other parameter averaged over it too (the ep ranks saw other
+    tokens). Names are the one-process model's (`gpt` before a pipeline cuts it or apply_ep
+    drops experts; apply_tp keeps them)."""
     records = {}
+    experts = set(expert_parameters(gpt))
     for name in dict(gpt.named_parameters(remove_duplicate=False)):
         module_name, _, kind = name.rpartition(".")
         shard = tp_shard_of(module_name)
         cut = shard is not None and not (shard.style == "row" and kind == "bias")
+        expert = name in experts
         records[name] = Reduction(
-            average=DATA, replica=() if cut else TENSOR, shard=TENSOR if cut else (), stage=PIPELINE
-        )
+            average=DATA if expert else DATA + EXPERT,
+            replica=() if cut else TENSOR,
+            shard=TENSOR if cut else (),
+            stage=PIPELINE,
+            routed=EXPERT if expert else (),
+        ).within(axes)
     # tied: lm_head.weight is wte.weight's second name (one stage) or its copy (the last stage)
     if gpt.cfg.tie_weights:
         records["lm_head.weight"] = dataclasses.replace(records["wte.weight"], copy_of="wte.weight")

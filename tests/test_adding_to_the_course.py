@@ -12,6 +12,7 @@ import pytest
 
 from day20_pp.placement import Schedule
 from day20_pp.schedules import SCHEDULES, ScheduleKind, every_schedule
+from day22_megatron.ep import EP_AXES
 from day22_megatron.stack import build_stack
 from day28_gpt125m.strategies import REGISTRY
 from day28_gpt125m.strategy import Strategy
@@ -94,16 +95,24 @@ def test_every_axis_of_the_grid_has_a_role_for_every_parameter():
 
 
 def test_an_axis_added_to_the_grid_but_not_to_the_reduction_table_is_caught():
-    grid = ParallelGrid(dp=2, ep=2, axes=("pp", "dp", "ep", "cp", "tp"), world_size=4, rank=0)
-    table = gpt_reductions(GPT(preset("tiny")))
+    # "fs": a sharded-data axis the table has not been told about
+    grid = ParallelGrid(dp=2, fs=2, axes=("pp", "dp", "fs", "cp", "tp"), world_size=4, rank=0)
+    table = gpt_reductions(GPT(preset("tiny")), grid.axes)
     live = [a for a in grid.axes if grid.group_size(a) > 1]
-    assert live == ["dp", "ep"] and table.unplaced(live) == ["ep"]
+    assert live == ["dp", "fs"] and table.unplaced(live) == ["fs"]
     placed = table
-    for name in table:  # an expert-parallel GPT would say, per parameter, what ep is to it
-        placed = placed.replace(name, average=(*table[name].average, "ep"))
+    for name in table:  # the table would say, per parameter, what the new axis is to it
+        placed = placed.replace(name, shard=(*table[name].shard, "fs"))
     assert placed.unplaced(live) == []
-    with pytest.raises(ValueError, match=r"gives the grid axis \['ep'\] no role"):
+    with pytest.raises(ValueError, match=r"gives the grid axis \['fs'\] no role"):
         build_stack(preset("tiny"), grid, micro_batch_size=1, microbatches=2, seq_len=16)
+
+
+def test_an_ep_axis_is_placed_for_every_parameter_of_an_moe():
+    table = gpt_reductions(GPT(preset("tiny-moe")), EP_AXES)
+    assert table.unplaced(EP_AXES) == []
+    assert table["blocks.0.mlp.experts.1.c_fc.weight"].routed == ("ep",)  # other experts
+    assert table["blocks.0.mlp.router.weight"].average == ("dp", "cp", "ep")  # other tokens
 
 
 # --- a precision: a row, declared by the engines that train in it -------------------------------

@@ -31,10 +31,11 @@ from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.grid import ParallelGrid
-from dtl.model import GPT, loss_fn, preset, shard_tensor, tp_shard_of
+from dtl.model import GPT, loss_fn, preset
 from dtl.reduction import gpt_reductions
 from dtl.reference import one_process_gpt
 from dtl.testing import needs_extras, run_distributed, script_error
+from dtl.tp_plan import shard_tensor, tp_shard_of
 
 MEGATRON = needs_extras("megatron")  # on each test that runs megatron-core, not on the file
 
@@ -263,7 +264,7 @@ def _stage_of(name, n_layer, pp):
 
 def _rank_tensors(gpt, grid, grads=False):
     """{one-process name: the tensor (or gradient) rank (grid.pp_rank, grid.tp_rank) holds}, cut
-    from the one-process model by hand: its stage's tensors, each as dtl.model.shard_tensor
+    from the one-process model by hand: its stage's tensors, each as dtl.tp_plan.shard_tensor
     splits it over the TP ranks (replicated ones whole)."""
     out = {}
     for name, p in gpt.named_parameters(remove_duplicate=False):

@@ -10,7 +10,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from dtl.model import (
     GPT,
     PRESETS,
-    TP_PLAN,
     Block,
     canonical_name,
     flops_per_token,
@@ -21,15 +20,17 @@ from dtl.model import (
     num_params,
     pad_vocab_size,
     preset,
-    shard_tensor,
-    tp_shard_of,
 )
+from dtl.tp_plan import TP_PLAN, shard_tensor, tp_shard_of
 
 # Published sizes: GPT-2 small 124M (nanoGPT prints 123.65M, which excludes wpe's 786,432);
 # GPT-3 Small "125M" (Brown et al. 2020, Table 2.1).
 KNOWN_COUNTS = {
     "tiny": 34_688,
     "tiny-nobias": 33_952,  # tiny minus 736 biases: 2 x (32 + 32 + 96 + 32 + 128 + 32) + 32
+    # tiny-nobias with each MLP (2 x 32 x 128 = 8,192) replaced by a 32 x 4 router and 4 experts:
+    # 33,952 + 2 x (128 + 3 x 8,192)
+    "tiny-moe": 83_360,
     "small": 7_248_640,
     "gpt2-124m": 124_439_808,
     "gpt3-125m": 125_226_240,
@@ -42,6 +43,14 @@ def test_parameter_count_formula_matches_the_built_module_without_allocating(nam
     with torch.device("meta"):  # shapes only: the 124M presets cost no memory here
         model = GPT(cfg)
     assert sum(p.numel() for p in model.parameters()) == num_params(cfg) == KNOWN_COUNTS[name]
+
+
+def test_an_moe_counts_its_active_parameters_as_the_router_and_k_experts():
+    cfg = preset("tiny-moe")  # E = 4, k = 2: a token uses 2 of the 4 experts of 8,192 each
+    assert num_params(cfg) - num_params(cfg, active=True) == cfg.n_layer * 2 * 8_192
+    dense = preset("tiny-nobias")  # FLOPs by active parameters: 6 x (the router + 1 MLP more)
+    extra = cfg.n_layer * (32 * 4 + 8_192)
+    assert flops_per_token(cfg) - flops_per_token(dense) == 6 * extra
 
 
 def test_untied_head_adds_one_vocab_by_width_matrix():
