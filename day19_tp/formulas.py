@@ -22,11 +22,17 @@ IB_NDR_GBS = 50.0  # one 400 Gb/s NDR InfiniBand port per GPU
 ASSUMED_MATMUL_FLOPS = 400e12
 
 
-def block_params(cfg: GPTConfig, t: int) -> int:
-    """Parameters of one transformer block on one TP rank."""
+def block_params(cfg: GPTConfig, t: int, ep: int = 1) -> int:
+    """Parameters of one transformer block on one TP rank (and, for an MoE, one of ep expert-
+    parallel ranks: the router and E/ep experts, whole on every TP rank: not in the TP plan)."""
     C, b = cfg.n_embd, int(cfg.bias)
-    split = (3 * C * C + 3 * C * b) + C * C + (4 * C * C + 4 * C * b) + 4 * C * C
-    replicated = 2 * C * (1 + b) + C * b + C * b  # ln_1, ln_2, the two row-parallel biases
+    split = (3 * C * C + 3 * C * b) + C * C  # c_attn, attn.c_proj
+    replicated = 2 * C * (1 + b) + C * b  # ln_1, ln_2, attn.c_proj's bias
+    if cfg.moe is None:
+        split += (4 * C * C + 4 * C * b) + 4 * C * C  # mlp.c_fc, mlp.c_proj
+        replicated += C * b  # mlp.c_proj's bias
+    else:
+        replicated += cfg.moe.layer_params(C, cfg.bias, cfg.moe.n_expert // ep)
     return split // t + replicated
 
 

@@ -29,12 +29,15 @@ as the dense parameters. dtl.reduction says so with the `routed` role.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtl.grid import ParallelGrid
 from dtl.moe import MoE, Routing, combine, moe_layers, run_experts, sort_by_expert
 from dtl.reduction import EXPERT
 
@@ -91,12 +94,51 @@ def all_to_all_rows(
     return cast(torch.Tensor, _AllToAll.apply(x, send, recv, group))
 
 
+@dataclass
+class Traffic:
+    """What one layer's dispatcher moved since the last reset: rows sent and received (each row
+    C numbers) and forward calls; the formula of the rows' bytes reads it."""
+
+    rows_sent: int = 0
+    rows_received: int = 0
+    calls: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.rows_sent, self.rows_received = self.rows_sent + sent, self.rows_received + received
+        self.calls += 1
+
+
+def take_traffic(modules: Iterable[nn.Module]) -> Traffic:
+    """The rows every all-to-all MoE layer of `modules` moved since the last call, summed; the
+    counters start again from zero."""
+    total = Traffic()
+    for layer in (m for module in modules for m in moe_layers(module)):
+        if isinstance(layer.dispatcher, AllToAllDispatcher):
+            t = layer.dispatcher.traffic
+            total.rows_sent += t.rows_sent
+            total.rows_received += t.rows_received
+            total.calls += t.calls
+            layer.dispatcher.traffic = Traffic()
+    return total
+
+
+def data_rank(grid: ParallelGrid) -> tuple[int, int]:
+    """(this rank's index among the ranks that see other rows, how many there are): dp x ep,
+    ep inner, as the grid lays them out."""
+    ep, ep_rank = grid.sizes.get(EP_AXIS, 1), grid.coords.get(EP_AXIS, 0)
+    return grid.dp_rank * ep + ep_rank, grid.dp_size * ep
+
+
 class AllToAllDispatcher:
     """Steps 1-5 of the module docstring: this rank's experts, the others' by all-to-all."""
 
     def __init__(self, group: dist.ProcessGroup, n_expert: int):
         self.group, self.ep = group, dist.get_world_size(group)
         self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
+        self.traffic = Traffic()
+
+    def __deepcopy__(self, memo: dict) -> AllToAllDispatcher:
+        return self  # a process group is not copied: a pipeline stage's copy shares it
 
     def __call__(
         self, tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict, n_expert: int
@@ -110,6 +152,7 @@ class AllToAllDispatcher:
         received = received.view(self.ep, per_rank)  # [source rank, my expert]
         send = counts.view(self.ep, per_rank).sum(1).tolist()  # the host sync: split sizes
         recv = received.sum(1).tolist()
+        self.traffic.add(sum(send), sum(recv))
         # 2. (N*k, C) -> (R, C), rank-major
         arrived = all_to_all_rows(rows, send, recv, self.group)
         # 3. rank-major -> expert-major: each row's local expert, sorted stably
@@ -133,6 +176,9 @@ class AllGatherDispatcher:
     def __init__(self, group: dist.ProcessGroup, n_expert: int):
         self.group, self.ep = group, dist.get_world_size(group)
         self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
+
+    def __deepcopy__(self, memo: dict) -> AllGatherDispatcher:
+        return self  # a process group is not copied: a pipeline stage's copy shares it
 
     def __call__(
         self, tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict, n_expert: int

@@ -10,14 +10,19 @@ L layers over pp stages, V the vocabulary, t = tp, n = dp x cp:
                   the V·C/t output layer on the last stage
     state         params e·P, grads e·P, Adam's m and v 2e·P (divided by n with Megatron's
                   distributed optimizer, which shards them over the data-parallel ranks)
-    tp            day 19: per micro-batch, 4 all-reduces of b·s·C per block, 1 for the embedding
+    tp            day 19: per micro-batch, 4 all-reduces of b·s·C per block (2 for an MoE block:
+                  its experts are whole on every TP rank), 1 for the embedding
                   (first stage), 1 for the output layer and 3·b·s numbers for the loss (last),
                   each 2(t-1)/t of the message per rank
     cp            day 21: ring attention, per layer and micro-batch (ring_layer_bytes)
     pp            day 20: per micro-batch one (b, s, C) activation to the next stage and one
                   gradient back, for each of this rank's v chunks that has a neighbour; plus the
                   tied embedding's gradient all-reduced between the first and last stage
-    dp            the gradients all-reduced over dp x cp: 2(n-1)/n · e·P
+    dp            the gradients all-reduced over dp x cp: 2(n-1)/n · e·P; under expert
+                  parallelism (ep of the dp ranks) an expert's over its dp/ep x cp copies
+    ep            per MoE layer and micro-batch, 4 all-to-alls of rows (2 forward, 2 backward):
+                  each moves the rows this rank sends and the rows it receives once, so
+                  2 (sent + received) · C · e, and one of the E token counts (int64) forward
     bubble        (p-1)/(v·m + p-1) of the step (day 20's bubble_formula)
     activations   L x 34·s·b·C/t bytes (Korthikanti et al. 2022: 16-bit, SP, no stored scores;
                   doubled in fp32): 1F1B's first stage holds p micro-batches of L/p layers, so
@@ -51,7 +56,7 @@ def params_per_rank(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
     C, t = cfg.n_embd, lay.tp
     first, last = _ends(lay, pp_rank)
     # exercise day22.params_per_rank: begin
-    n = cfg.n_layer // lay.pp * block_params(cfg, t)
+    n = cfg.n_layer // lay.pp * block_params(cfg, t, lay.ep)
     vocab = cfg.vocab_size * C // t
     if first:
         n += vocab + cfg.block_size * C  # wte (vocab-parallel) and wpe
@@ -61,6 +66,22 @@ def params_per_rank(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
             n += vocab  # an output layer of its own (or the last stage's copy of wte)
     return n
     # exercise day22.params_per_rank: end
+
+
+def expert_params(cfg: GPTConfig, lay: Layout, pp_rank: int) -> int:
+    """The experts' share of params_per_rank: E/ep experts in each of the stage's layers."""
+    if cfg.moe is None:
+        return 0
+    C, per_rank = cfg.n_embd, cfg.moe.n_expert // lay.ep
+    experts = cfg.moe.layer_params(C, cfg.bias, per_rank) - cfg.moe.layer_params(C, cfg.bias, 0)
+    return cfg.n_layer // lay.pp * experts
+
+
+def ep_bytes(cfg: GPTConfig, rows_sent: int, rows_received: int, calls: int) -> float:
+    """The all-to-all bytes (the data of each call, S) of `calls` MoE layer forwards that sent
+    and received these rows in all: 2 (sent + received) C e, and E int64 counts per call."""
+    assert cfg.moe is not None
+    return 2 * (rows_sent + rows_received) * cfg.n_embd * FP32 + calls * cfg.moe.n_expert * 8
 
 
 def state_bytes(
@@ -96,8 +117,11 @@ def comm_bytes(
     out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "norm": 0.0}
     if lay.tp > 1 and sp:  # day 21: SP's all-gathers and reduce-scatters, per micro-batch
         out["tp"] = m * sum(sp_cp.sp_step_bytes(cfg, b, s_rank, lay.tp, e).values())
-    elif lay.tp > 1:
-        elements = 4 * layers * tok * C + first * tok * C + last * (tok * C + 3 * tok)
+    elif lay.tp > 1:  # 2 all-reduces (g forward, f backward) per split sublayer: attention,
+        # and the MLP unless it is an MoE (its experts are not in the TP plan)
+        sublayers = 1 if cfg.moe is not None else 2
+        per_block = 2 * sublayers * tok * C
+        elements = layers * per_block + first * tok * C + last * (tok * C + 3 * tok)
         out["tp"] = ring_bytes(m * elements, e, lay.tp)
     if lay.cp > 1:
         per_layer = sp_cp.ring_layer_bytes(b, seq_len, C, lay.cp, lay.tp, e)
@@ -107,9 +131,14 @@ def comm_bytes(
         out["pp"] = sends * m * tok * C * e
         if cfg.tie_weights and (first or last):  # wte and its copy: all-reduce over 2 ranks
             out["pp"] += ring_bytes(cfg.vocab_size * C // lay.tp, e, 2)
-    out["dp"] = ring_bytes(params_per_rank(cfg, lay, pp_rank), e, lay.dp * lay.cp)
-    # clipping: the squared norm's shares, one fp64 scalar all-reduced over tp x pp
-    out["norm"] = ring_bytes(1, 8, lay.tp * lay.pp)
+    experts = expert_params(cfg, lay, pp_rank)  # averaged over their copies only
+    dense = params_per_rank(cfg, lay, pp_rank) - experts
+    out["dp"] = ring_bytes(dense, e, lay.dp * lay.cp) + ring_bytes(
+        experts, e, lay.dp // lay.ep * lay.cp
+    )
+    # clipping: the squared norm's shares, one fp64 scalar all-reduced over tp x pp (x ep:
+    # other experts)
+    out["norm"] = ring_bytes(1, 8, lay.tp * lay.pp * lay.ep)
     return out
 
 

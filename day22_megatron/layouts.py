@@ -43,6 +43,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    ep: int = 1  # expert-parallel ranks among the dp ranks (megatron-core's EP folds in DP)
 
     @property
     def world(self) -> int:
@@ -96,6 +97,7 @@ class Layout:
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += ["sp"] if sp else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         return "-".join([*parts, f"dp{self.dp}"])
 
 
@@ -129,6 +131,7 @@ def check(
         raise LayoutError(
             f"sequence parallelism splits the {seq_length} tokens over tp {lay.tp}: not divisible"
         )
+    check_experts(lay, cfg, sequence_parallel)
     rows = micro_batch_size * lay.dp
     if global_batch_size % rows:
         raise LayoutError(
@@ -140,4 +143,21 @@ def check(
         raise LayoutError(
             f"interleaved 1F1B needs the micro-batches per DP rank ({m}) to be a multiple of "
             f"pp {lay.pp}"
+        )
+
+
+def check_experts(lay: Layout, cfg: GPTConfig, sequence_parallel: bool = False) -> None:
+    """Expert parallelism's sizes, and what an MoE does not run with here: CP and SP hand each
+    rank part of a row, so its router's load-balancing loss would count part of the tokens."""
+    moe = cfg.moe
+    if lay.ep > 1 and moe is None:
+        raise LayoutError(f"ep {lay.ep} needs a model with experts (e.g. --model=tiny-moe)")
+    if lay.dp % lay.ep:
+        raise LayoutError(f"ep {lay.ep} must divide dp {lay.dp}: the expert ranks are dp ranks")
+    if moe is not None and moe.n_expert % lay.ep:
+        raise LayoutError(f"{moe.n_expert} experts do not split over ep {lay.ep}")
+    if moe is not None and (lay.cp > 1 or sequence_parallel):
+        raise LayoutError(
+            "an MoE runs without CP and SP here: each rank would route part of a row and its "
+            "load-balancing loss would count those tokens only"
         )

@@ -42,7 +42,7 @@ from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
 from day22_megatron.ep import EP_AXIS, apply_ep
-from day22_megatron.layouts import LayoutError
+from day22_megatron.layouts import Layout, LayoutError, check_experts
 from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.dist import average_gradients
@@ -82,6 +82,7 @@ def check_stack(
             "activations and no position ids (megatron-core's train_megatron.py has SP x PP)"
         )
     check_cp(cfg.n_head, tp, cp, seq_len, attn, sp)
+    check_experts(Layout(tp=tp, pp=pp, cp=cp), cfg, sp)
 
 
 def build_stack(
@@ -134,6 +135,11 @@ def build_stack(
     return Stack(grid, gpt, pipeline, params, named, loss, optimizer, reduction)
 
 
+def stack_modules(stack: Stack) -> list:
+    """The modules this rank runs: its pipeline stages, or the whole (TP/CP/EP) model."""
+    return list(stack.pipeline.stages) if stack.pipeline is not None else [stack.gpt]
+
+
 def stack_state_bytes(stack: Stack) -> StateBytes:
     """What this rank holds after an optimizer step (before zero_grad): its shards' and stages'
     parameters, their gradients, Adam's moments (not its step counters, as the formula)."""
@@ -175,14 +181,18 @@ def sync_gradients(stack: Stack) -> int:
 @exercise("day22.grad_norm")
 def _counted_once(name: str, stack: Stack) -> bool:
     """Does this rank's copy of `name` enter the global gradient norm? `stack.reduction[name]`
-    (a dtl.reduction.Reduction) says how the tensor lies on the grid: `shard` and `stage` axes
-    hold other numbers (count it on every rank along them), `replica` axes hold the same tensor
-    (count it where this rank's coordinate is 0: `stack.grid.coords[axis]`), and a `copy_of`
-    another parameter (a tied lm_head) never counts: that one stands for both. Megatron's
-    `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`."""
+    (a dtl.reduction.Reduction) says how the tensor lies on the grid: along its `shard`,
+    `stage` and `routed` axes the ranks hold other numbers (count it on every rank along them);
+    along any other axis the norm sums over (`stack.reduction.norm_axes`) they hold the same
+    tensor: a replica, or an average (a dense parameter along ep, where other ranks hold other
+    experts) (count it where this rank's coordinate, `stack.grid.coords[axis]`, is 0); and a
+    `copy_of` another parameter (a tied lm_head) never counts: that one stands for both.
+    Megatron's `param_is_not_tensor_parallel_duplicate` and `param_is_not_shared`."""
     # exercise day22.grad_norm: begin
     record = stack.reduction[name]
-    at_first = all(stack.grid.coords[axis] == 0 for axis in record.replica)
+    others = record.shard + record.stage + record.routed
+    same = [axis for axis in stack.reduction.norm_axes if axis not in others]
+    at_first = all(stack.grid.coords[axis] == 0 for axis in same)
     return record.copy_of is None and at_first
     # exercise day22.grad_norm: end
 
@@ -191,9 +201,10 @@ def _counted_once(name: str, stack: Stack) -> bool:
 def global_grad_norm(stack: Stack) -> float:
     """The dense model's gradient norm, computed from the shards: squares summed on each rank
     over the tensors it counts once, then all-reduced over the table's norm axes
-    (`stack.reduction.norm_axes`: tp x pp, Megatron's model-parallel group; the DP and CP ranks
-    hold copies of the same averaged gradients). `stack.named` maps each one-process name to
-    this rank's parameter; sum in float64. -> a float, on every rank"""
+    (`stack.reduction.norm_axes`: tp x pp, Megatron's model-parallel group, and ep where
+    experts are; the DP and CP ranks hold copies of the same averaged gradients).
+    `stack.named` maps each one-process name to this rank's parameter; sum in float64.
+    -> a float, on every rank"""
     # exercise day22.grad_norm: begin
     sq = torch.zeros(1, dtype=torch.float64, device=stack.params[0].device)
     for name, p in stack.named.items():
@@ -223,8 +234,8 @@ def full_state(stack: Stack, grads: bool = False) -> dict[str, torch.Tensor]:
     its shard axes (day 19's full_tensors joins them by the TP plan), then the tensors of its
     stage axes merged; a copy is dropped and given its source's tensor. Collective."""
     table, grid = stack.reduction, stack.grid
-    modules = stack.pipeline.stages if stack.pipeline is not None else [stack.gpt]
     mine: dict[str, torch.Tensor] = {}
+    modules = stack_modules(stack)
     for m in modules:
         if grid.group_size(*table.shard_axes) > 1:  # pieces on several ranks: joined
             part = full_tensors(m, grads=grads)

@@ -6,6 +6,8 @@ CPU (gloo), ~8 s at 4 ranks, ~13 s at 8:
     torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --pp=2 --chunks=2 \
         --num-layers=4  # dp 2: 4 virtual stages need 4 layers
     torchrun --standalone --nproc_per_node=8 -m day22_megatron.train_4d --tp=2 --pp=2  # dp 2
+    torchrun --standalone --nproc_per_node=4 -m day22_megatron.train_4d --model=tiny-moe --ep=2 \
+        --tp=2  # dp 2 (both expert-parallel): the fifth dimension
 GPUs (NCCL):
     torchrun --standalone --nproc_per_node=gpu -m day22_megatron.train_4d --tp=2 --pp=2 \\
         --config day22_megatron/gpu_4d.toml
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from day21_sp_cp.cp import ATTENTION, CPError
 from day22_megatron import formulas, layouts
+from day22_megatron.ep import EP_AXES, EP_AXIS, EP_COMBOS, data_rank, take_traffic
 from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
     build_stack,
@@ -38,6 +41,7 @@ from day22_megatron.stack import (
     clip_gradients,
     forward_backward,
     full_state,
+    stack_modules,
     stack_state_bytes,
     sync_gradients,
 )
@@ -46,7 +50,7 @@ from dtl import dist as dtl_dist
 from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
-from dtl.grid import ParallelGrid
+from dtl.grid import AXES, ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import PresetName
 from dtl.optim import OptimConfig
@@ -60,6 +64,8 @@ class Config:
     tp: int = 1  # tensor-parallel size (Megatron's --tensor-model-parallel-size)
     pp: int = 1  # pipeline-parallel size (--pipeline-model-parallel-size); dp = world/(tp·cp·pp)
     cp: int = 1  # context-parallel size (--context-parallel-size); not with pp > 1 here
+    ep: int = 1  # expert-parallel size (--expert-model-parallel-size): ep of the dp ranks hold
+    # other experts and trade tokens by all-to-all; needs an MoE model (--model=tiny-moe)
     chunks: int = 1  # model chunks per pipeline rank: interleaved 1F1B when > 1 (Megatron's vpp)
     sp: bool = False  # sequence parallelism over the TP group (needs tp > 1; not with pp > 1)
     attn: str = "ring_zigzag"  # attention over cp: ring | ring_zigzag | ulysses
@@ -94,7 +100,9 @@ class Config:
     def layout(self) -> layouts.Layout:
         world = dtl_dist.launch_world_size()
         lay = layouts.Layout.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp)
-        return layouts.Layout(tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp, vpp=self.chunks)
+        return layouts.Layout(
+            tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp, vpp=self.chunks, ep=self.ep
+        )
 
     @property
     def microbatches(self) -> int:
@@ -121,11 +129,22 @@ class Config:
         self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"
 
 
+def make_grid(lay: layouts.Layout) -> ParallelGrid:
+    """The layout's grid: with expert parallelism, an ep axis inside dp (megatron-core's order)
+    and the groups the expert reductions need."""
+    axes, combos = (EP_AXES, EP_COMBOS) if lay.ep > 1 else (AXES, ())
+    return ParallelGrid(
+        dp=lay.dp // lay.ep, ep=lay.ep, pp=lay.pp, cp=lay.cp, tp=lay.tp, axes=axes, combos=combos
+    )
+
+
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
-    """This DP rank's rows of the step's global batch, in micro-batches of micro_batch_size."""
+    """This data rank's rows of the step's global batch (dp x ep ranks see other rows), in
+    micro-batches of micro_batch_size."""
+    rank, size = data_rank(grid)
     return dp_micro_batches(
-        tokens, cfg.seq_len, cfg.global_batch_size // grid.dp_size, cfg.micro_batch_size,
-        step=step, seed=cfg.seed, dp_rank=grid.dp_rank, dp_size=grid.dp_size, device=device,
+        tokens, cfg.seq_len, cfg.global_batch_size // size, cfg.micro_batch_size,
+        step=step, seed=cfg.seed, dp_rank=rank, dp_size=size, device=device,
     )  # fmt: skip
 
 
@@ -139,6 +158,7 @@ def axis_groups(stack) -> dict[str, list]:
     return {
         "tp": [grid.tp_group],
         "cp": [grid.cp_group],
+        "ep": [grid.group(EP_AXIS)] if EP_AXIS in grid.axes else [],
         "pp": pp,
         # the DP average and the clip's global norm: the groups the reduction table names
         "dp": [grid.group(*axes) for axes in stack.reduction.average_axes],
@@ -178,6 +198,8 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         if stack.pipeline is not None:
             idle.append(1 - sum(e - s for s, e, _ in stack.record.spans) / t_fb)
         sent = {axis: comm.ring_bytes_on(*gs) for axis, gs in groups.items()}
+        traffic = take_traffic(stack_modules(stack))  # the rows this step's all-to-alls moved
+        a2a = comm.bytes["all_to_all"]
         # every call of the step, on any group: a collective outside the four axes (one on the
         # world group, say) shows here and nowhere else
         sent["total"] = sum(comm.group_ring_bytes.values())
@@ -193,6 +215,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     return dict(
         stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
         state=state, corpus=corpus, full=full_state(stack), device=info.device,
+        traffic=traffic, all_to_all=a2a,
     )  # fmt: skip
 
 
@@ -204,6 +227,10 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
         microbatches=cfg.microbatches, seq_len=cfg.seq_len, sp=cfg.sp,
     )  # fmt: skip
+    if lay.ep > 1:  # the rows' bytes from the rows the routing sent: ring-equivalent here
+        t = result["traffic"]
+        data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls)
+        want_comm["ep"] = data * (lay.ep - 1) / lay.ep
     want_comm["total"] = sum(want_comm.values())  # the axes' sum: nothing sent outside them
     got = {**result["state"], **result["sent"]}
     want = {**want_state, **want_comm}
@@ -214,6 +241,14 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         f"  {k:<7}{got[k] / MB:>12.3f}{want[k] / MB:>12.3f}  {'exact' if exact[k] else 'MISMATCH'}"
         for k in want
     ]
+    if lay.ep > 1:
+        t = result["traffic"]
+        data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls)
+        lines.append(
+            f"  all-to-all data, last step: {t.calls} layer forwards sent {t.rows_sent} and "
+            f"received {t.rows_received} rows of {mcfg.n_embd}: 2 (sent + received) C e + "
+            f"{t.calls} x E counts = {data:,.0f} B, counted {result['all_to_all']:,.0f} B"
+        )
     return lines, bad.item() == 0
 
 
@@ -255,11 +290,13 @@ def _compare(cfg: Config, info, grid: ParallelGrid, result: dict) -> tuple[Verdi
     ref_norms: list[float] = []
 
     def one_process():
+        mcfg = cfg.model_config()  # an MoE's aux loss is per forward: one per rank's micro-batch
+        slices = cfg.layout.dp * cfg.microbatches if mcfg.moe else 1
         losses, gpt = one_process_gpt(
-            cfg.model_config(), result["corpus"].train, seq_len=cfg.seq_len,
+            mcfg, result["corpus"].train, seq_len=cfg.seq_len,
             rows=cfg.global_batch_size, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr,
             weight_decay=cfg.weight_decay, eps=cfg.eps, clip_grad=cfg.clip_grad or None,
-            grad_norms=ref_norms,
+            grad_norms=ref_norms, slices=slices,
         )  # fmt: skip
         return losses, dict(gpt.named_parameters(remove_duplicate=False)), ref_norms  # lm_head
 
@@ -276,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
     info = dtl_dist.init()
     lay = cfg.layout
-    grid = ParallelGrid(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp)
+    grid = make_grid(lay)
     dtl_config.save(cfg, cfg.out_dir, argv)
     split = f"; {ATTENTION[cfg.attn]} split" if lay.cp > 1 else ""
     dtl_dist.print0(

@@ -213,8 +213,8 @@ FRACTION = Range(lo=0, hi=1, text="a fraction in [0, 1]")
 COUNT_NAMES = {
     "steps", "epochs", "batch_size", "seq_len", "grad_accum", "iters", "reps", "repeats",
     "log_every", "micro_batches", "microbatches", "micro_batch_size", "global_batch_size",
-    "global_batch", "tp", "pp", "cp", "chunks", "heads", "head_dim", "n_head", "n_embd", "saves",
-    "nproc", "keep", "train_iters", "seq_length", "eval_batches", "gpus_per_node", "world",
+    "global_batch", "tp", "pp", "cp", "ep", "chunks", "heads", "head_dim", "n_head", "n_embd",
+    "saves", "nproc", "keep", "train_iters", "seq_length", "eval_batches", "gpus_per_node", "world",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
 }  # fmt: skip
 NON_NEGATIVE_NAMES = {

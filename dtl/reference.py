@@ -33,6 +33,23 @@ def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return loss_fn(model(x), y)
 
 
+def sliced_loss(
+    slices: int,
+) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The mean over `slices` equal runs of consecutive rows, one forward each: what ranks that
+    each run their own rows compute together when a layer's output depends on its whole input
+    (an MoE's load-balancing loss counts the tokens of one forward)."""
+    from dtl.model import loss_fn
+    from dtl.moe import set_aux_loss_scale
+
+    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        set_aux_loss_scale(model, 1 / slices)  # each forward's share of the loss
+        parts = zip(x.chunk(slices), y.chunk(slices), strict=True)
+        return cast(torch.Tensor, sum(loss_fn(model(a), b) for a, b in parts)) / slices
+
+    return loss
+
+
 def reference_train(
     model: torch.nn.Module,
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -101,6 +118,7 @@ def one_process_gpt(
     grad_norms: list[float] | None = None,
     lr_at: Callable[[int], float] | None = None,
     noise_steps: dict[str, torch.Tensor] | None = None,
+    slices: int = 1,
 ) -> tuple[list[float], GPT]:
     """The training scripts' one-process reference: GPT(model_cfg, seed) trained `steps` steps on
     the global batch, `rows` sequences of `seq_len` from `tokens` per step (dtl.data.get_batch,
@@ -108,7 +126,8 @@ def one_process_gpt(
     given; else AdamW(lr, eps), with torch's default decay (0.01 on every parameter, what the
     days' scripts use) or, given `weight_decay`, decay on the matrices only
     (dtl.optim.optimizer_groups, Megatron's rule); `betas` Adam's. `clip_grad`, `grad_norms` and
-    `lr_at` as in reference_train; `noise_steps` as there, with the floor ADAM_NOISE_EPS x eps.
+    `lr_at` as in reference_train; `noise_steps` as there, with the floor ADAM_NOISE_EPS x eps;
+    `slices` > 1: the loss of sliced_loss (an MoE's ranks and micro-batches, one forward each).
     Returns (losses, the trained model)."""
     from dtl.data import get_batch
     from dtl.model import GPT
@@ -130,6 +149,7 @@ def one_process_gpt(
         batch,
         opt,
         steps,
+        sliced_loss(slices) if slices > 1 else default_loss,
         clip_grad=clip_grad,
         grad_norms=grad_norms,
         lr_at=lr_at,

@@ -115,6 +115,10 @@ CASES = {
         (["--chunks=2"], "--chunks=2 needs --pp >= 2"),
         (["--attn=x"], "unknown attention 'x'"),
         (["--make_vocab_size_divisible_by=0"], "'make_vocab_size_divisible_by' must be an integer"),
+        (["--ep=0"], "'ep' must be an integer >= 1"),
+        (["--ep=2"], "ep 2 needs a model with experts (e.g. --model=tiny-moe)"),
+        (["--model=tiny-moe", "--ep=3"], "ep 3 must divide dp 4: the expert ranks are dp ranks"),
+        (["--model=tiny-moe", "--cp=2"], "an MoE runs without CP and SP here"),
     ],
     "day22_megatron.train_megatron": [
         (["--precision=bf16"], "megatron-core trains bf16 on cuda only"),

@@ -13,9 +13,10 @@ input and its gradient, and the all-gather dispatcher gives what the all-to-all 
 
 The model: day 22's stack on tiny-moe at dp 2 x ep 2 and ep 4, k = 1 and 2, 3 AdamW steps
 (lr 1e-3, eps 1e-6: dtl.model's note on Adam checks) against the one-process GPT stepping on
-the mean of the data ranks' losses: losses rtol 1e-6, gradients at step 0 and parameters after
-3 steps atol 1e-6. Planted: expert gradients averaged over their copies only (no 1/ep), and the
-aux loss dropped on the EP side; each fails the same comparison.
+the mean of the data ranks' losses: losses rtol 1e-6, the global gradient norm rtol 1e-5,
+gradients at step 0 and parameters after 3 steps atol 1e-6. Planted: expert gradients averaged
+over their copies only (no 1/ep), and the aux loss dropped on the EP side; each fails the same
+comparison.
 """
 
 import pytest
@@ -183,10 +184,11 @@ def _stack_run(dp: int, ep: int, k: int, plant: str | None = None) -> dict:
         s.reduction = true
         if step == 0:
             grads = stack.full_state(s, grads=True)
+            norm = stack.global_grad_norm(s)  # each tensor once: an expert on its owner only
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
         losses.append(dtl_dist.all_reduce_scalar(loss, average=True))
-    return dict(losses=losses, grads=grads, params=stack.full_state(s))
+    return dict(losses=losses, grads=grads, norm=norm, params=stack.full_state(s))
 
 
 def _stack_checks() -> dict:
@@ -215,16 +217,19 @@ def _one_process(k: int, data_ranks: int) -> dict:
             total += loss.item()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in gpt.named_parameters(remove_duplicate=False)}
+            norm = torch.stack([p.grad.double().square().sum() for p in gpt.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
-    return dict(losses=losses, grads=grads, params=dict(gpt.state_dict()))
+    return dict(losses=losses, grads=grads, norm=norm.sum().sqrt().item(), params=gpt.state_dict())
 
 
 def _differences(got: dict, reference: dict) -> list[str]:
     bad = []
     if got["losses"] != pytest.approx(reference["losses"], rel=1e-6):
         bad.append(f"losses {got['losses']} vs {reference['losses']}")
+    if got["norm"] != pytest.approx(reference["norm"], rel=1e-5):
+        bad.append(f"global norm {got['norm']} vs {reference['norm']}")
     for what in ("grads", "params"):
         assert got[what].keys() == reference[what].keys()
         for name, t in reference[what].items():
