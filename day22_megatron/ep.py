@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
 from dtl.moe import MoE, Routing, combine, moe_layers, run_experts, sort_by_expert
 from dtl.reduction import EXPERT
@@ -145,26 +146,40 @@ class AllToAllDispatcher:
     ) -> torch.Tensor:
         order, counts = sort_by_expert(routing, n_expert)
         rows = tokens[order // routing.top_k]  # (N*k, C), expert-major = destination-major
+        returned, received = self.exchange(rows, counts, experts)  # steps 1-4
+        self.traffic.add(rows.size(0), int(received.sum()))
+        # 5. expert order -> (token, slot) order, weighted sum over the k slots
+        return combine(returned[torch.argsort(order)], routing)
+
+    @exercise("day22.ep_dispatch")
+    def exchange(
+        self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-4: `rows` (N*k, C), this rank's rows sorted by expert, `counts` (E,) how
+        many go to each expert -> (the rows' expert outputs, in the same order, (N*k, C); the
+        (ep, E/ep) matrix of rows each rank sent to each of this rank's experts). This rank's
+        experts are `self.experts` (a range), found in `experts` by str(index); the group is
+        `self.group` of `self.ep` ranks. all_to_all_rows moves rows with autograd;
+        dist.all_to_all_single moves the counts; run_experts runs experts on slices."""
         per_rank = len(self.experts)
+        # exercise day22.ep_dispatch: begin
         # 1. (E,) counts -> (ep * E/ep,): what each rank sends to each of my experts
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(self.ep, per_rank)  # [source rank, my expert]
         send = counts.view(self.ep, per_rank).sum(1).tolist()  # the host sync: split sizes
         recv = received.sum(1).tolist()
-        self.traffic.add(sum(send), sum(recv))
         # 2. (N*k, C) -> (R, C), rank-major
         arrived = all_to_all_rows(rows, send, recv, self.group)
         # 3. rank-major -> expert-major: each row's local expert, sorted stably
         local = torch.arange(per_rank, device=counts.device).repeat(self.ep)
         regroup = torch.sort(local.repeat_interleave(received.flatten()), stable=True).indices
-        out = run_experts(
-            arrived[regroup], received.sum(0).tolist(), [experts[str(e)] for e in self.experts]
-        )
+        mine = [experts[str(e)] for e in self.experts]
+        out = run_experts(arrived[regroup], received.sum(0).tolist(), mine)
         # 4. expert-major -> rank-major, then (R, C) -> (N*k, C) back to their tokens' ranks
         returned = all_to_all_rows(out[torch.argsort(regroup)], recv, send, self.group)
-        # 5. expert order -> (token, slot) order, weighted sum over the k slots
-        return combine(returned[torch.argsort(order)], routing)
+        return returned, received
+        # exercise day22.ep_dispatch: end
 
 
 class AllGatherDispatcher:
