@@ -41,13 +41,13 @@ from day19_tp.tp import apply_tp, full_tensors, tp_loss
 from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
-from day22_megatron.ep import EP_AXIS, apply_ep
+from day22_megatron.ep import EP_AXES, EP_AXIS, EP_COMBOS, apply_ep
 from day22_megatron.layouts import Layout, LayoutError, check_experts
 from dtl import profile as dtl_profile
 from dtl import simulate
 from dtl.dist import average_gradients
 from dtl.exercise_seam import exercise
-from dtl.grid import ParallelGrid
+from dtl.grid import AXES, ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.moe import set_aux_loss_scale
 from dtl.optim import OptimConfig
@@ -69,6 +69,15 @@ class Stack:
     optimizer: torch.optim.Optimizer
     reduction: ReductionTable  # name -> the grid axes of its replicas, pieces and stages
     record: object = None  # the pipeline's StepRecord of the last step (spans, in-flight)
+
+
+def grid_for(lay: Layout) -> ParallelGrid:
+    """The layout's grid: with expert parallelism, an ep axis inside dp (megatron-core's order)
+    and the groups the expert reductions need. Collective (it builds the groups)."""
+    axes, combos = (EP_AXES, EP_COMBOS) if lay.ep > 1 else (AXES, ())
+    return ParallelGrid(
+        dp=lay.dp // lay.ep, ep=lay.ep, pp=lay.pp, cp=lay.cp, tp=lay.tp, axes=axes, combos=combos
+    )
 
 
 def check_stack(

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from day21_sp_cp.cp import ATTENTION, CPError
 from day22_megatron import formulas, layouts
-from day22_megatron.ep import EP_AXES, EP_AXIS, EP_COMBOS, data_rank, take_traffic
+from day22_megatron.ep import EP_AXIS, data_rank, take_traffic
 from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
     build_stack,
@@ -41,6 +41,7 @@ from day22_megatron.stack import (
     clip_gradients,
     forward_backward,
     full_state,
+    grid_for,
     stack_modules,
     stack_state_bytes,
     sync_gradients,
@@ -50,7 +51,7 @@ from dtl import dist as dtl_dist
 from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
-from dtl.grid import AXES, ParallelGrid
+from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
 from dtl.model import PresetName
 from dtl.optim import OptimConfig
@@ -127,15 +128,6 @@ class Config:
         except (layouts.LayoutError, CPError) as e:
             raise err(str(e)) from None
         self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"
-
-
-def make_grid(lay: layouts.Layout) -> ParallelGrid:
-    """The layout's grid: with expert parallelism, an ep axis inside dp (megatron-core's order)
-    and the groups the expert reductions need."""
-    axes, combos = (EP_AXES, EP_COMBOS) if lay.ep > 1 else (AXES, ())
-    return ParallelGrid(
-        dp=lay.dp // lay.ep, ep=lay.ep, pp=lay.pp, cp=lay.cp, tp=lay.tp, axes=axes, combos=combos
-    )
 
 
 def micro_batches(tokens, cfg: Config, step: int, grid: ParallelGrid, device):
@@ -313,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
     info = dtl_dist.init()
     lay = cfg.layout
-    grid = make_grid(lay)
+    grid = grid_for(lay)
     dtl_config.save(cfg, cfg.out_dir, argv)
     split = f"; {ATTENTION[cfg.attn]} split" if lay.cp > 1 else ""
     dtl_dist.print0(

@@ -16,8 +16,11 @@ V_r], which is not one contiguous block of rows of [Q; K; V]. It is saved as thr
 name + ".q", ".k", ".v", each Shard(0): views of the parameter's three thirds.
 
 Under PP each rank holds its stages' parameters under their one-process names (day 20's
-stage_parameters): DCP merges the stages' keys into one checkpoint. With tied embeddings the
-last stage's copy of wte (its lm_head.weight) is not saved, and is loaded from wte.weight.
+stage_parameters), and under EP its experts (day 22's apply_ep keeps their names): DCP merges
+the stages' and the experts' keys into one checkpoint, so an expert is a key of its own, saved
+by a rank that holds it and loaded by every rank that will (ep 2 -> 1 in the tests). With tied
+embeddings the last stage's copy of wte (its lm_head.weight) is not saved, and is loaded from
+wte.weight.
 
 AdamW's state follows its parameter: "optim.<name>.exp_avg" and ".exp_avg_sq" are described
 like the parameter, ".step" is a plain scalar. A checkpoint written at one layout loads at any
@@ -120,16 +123,18 @@ class StackState(RunState):
 
 def full_state(app: StackState) -> dict[str, torch.Tensor]:
     """Every key of app's model and optimizer state as the full tensor, on every rank: TP
-    pieces gathered (DTensor.full_tensor), the stages' keys gathered over the pipeline group.
-    What the tests compare across layouts. Collective."""
+    pieces gathered (DTensor.full_tensor), the keys of other tensors gathered over the axes
+    where ranks hold them (the stages' over pp, the experts' over ep: the reduction table's
+    merge axes). What the tests compare across layouts. Collective."""
     sd = app.state_dict()
     mine = {}
     for section in ("model", "optim"):
         for key, t in sd[section].items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
             mine[f"{section}.{key}"] = full.detach().cpu().clone()
-    pieces: list = [None] * app.stack.grid.pp_size
-    dist.all_gather_object(pieces, mine, group=app.stack.grid.pp_group)
+    merge = app.stack.grid.group(*app.stack.reduction.merge_axes)
+    pieces: list = [None] * dist.get_world_size(merge)
+    dist.all_gather_object(pieces, mine, group=merge)
     return {k: v for piece in pieces for k, v in piece.items()}
 
 

@@ -1,5 +1,5 @@
-"""Day 24: a checkpoint of a model-parallel layout (day 22's stack: TP, PP, TP x PP, with DP)
-loads at another layout bit for bit (day24_checkpoint/sharded.py).
+"""Day 24: a checkpoint of a model-parallel layout (day 22's stack: TP, PP, TP x PP, with DP; an
+MoE's experts over EP) loads at another layout bit for bit (day24_checkpoint/sharded.py).
 
 One 4-rank spawn saves each source layout after two AdamW steps and loads it into a fresh stack
 at the target layout. The reference is the one-process view of the state: every parameter and
@@ -16,33 +16,33 @@ import os
 import pytest
 import torch
 
+from day22_megatron.ep import data_rank
 from day22_megatron.layouts import Layout
-from day22_megatron.stack import build_stack, forward_backward, sync_gradients
+from day22_megatron.stack import build_stack, forward_backward, grid_for, sync_gradients
 from day22_megatron.stack import full_state as dense_state
 from day24_checkpoint import ckpt
 from day24_checkpoint.sharded import StackState, full_state
-from dtl.grid import ParallelGrid
 from dtl.model import GPT, loss_fn, preset
 from dtl.testing import run_distributed
 
-CFG = preset("tiny-nobias")
+DENSE, MOE = preset("tiny-nobias"), preset("tiny-moe")
 B, T, K = 2, 16, 2  # micro-batch, tokens, micro-batches per step
-PAIRS = {  # source layout -> target layout, on 4 ranks
-    "tp2-pp2 to dp4": (Layout(tp=2, pp=2), Layout(dp=4)),  # tp 2 -> 1 and pp 2 -> 1
-    "pp2-dp2 to tp2-dp2": (Layout(pp=2, dp=2), Layout(tp=2, dp=2)),  # pp 2 -> 1, tp 1 -> 2
-    "tp2-dp2 to dp4": (Layout(tp=2, dp=2), Layout(dp=4)),
+PAIRS = {  # source layout -> target layout, on 4 ranks, and the model
+    "tp2-pp2 to dp4": (Layout(tp=2, pp=2), Layout(dp=4), DENSE),  # tp 2 -> 1 and pp 2 -> 1
+    "pp2-dp2 to tp2-dp2": (Layout(pp=2, dp=2), Layout(tp=2, dp=2), DENSE),  # pp 2 -> 1, tp 1 -> 2
+    "tp2-dp2 to dp4": (Layout(tp=2, dp=2), Layout(dp=4), DENSE),
+    "ep2-dp4 to dp4": (Layout(dp=4, ep=2), Layout(dp=4), MOE),  # each expert a key: ep 2 -> 1
 }
 
 
-def _stack(lay: Layout):
-    grid = ParallelGrid(tp=lay.tp, pp=lay.pp, dp=lay.dp)
-    return build_stack(CFG, grid, micro_batch_size=B, microbatches=K, seq_len=T, seed=0)
+def _stack(lay: Layout, cfg):
+    return build_stack(cfg, grid_for(lay), micro_batch_size=B, microbatches=K, seq_len=T, seed=0)
 
 
 def _train(stack, steps: int) -> None:
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + stack.grid.dp_rank)
-        x = torch.randint(0, CFG.vocab_size, (K, B, T + 1), generator=g)
+        g = torch.Generator().manual_seed(100 * step + data_rank(stack.grid)[0])
+        x = torch.randint(0, stack.gpt.cfg.vocab_size, (K, B, T + 1), generator=g)
         forward_backward(stack, [(x[i, :, :-1], x[i, :, 1:]) for i in range(K)])
         sync_gradients(stack)
         stack.optimizer.step()
@@ -51,7 +51,7 @@ def _train(stack, steps: int) -> None:
 
 def _fixed_batch():
     """The same K micro-batches on every rank and at every layout (not the training data)."""
-    x = torch.randint(0, CFG.vocab_size, (K, B, T + 1), generator=torch.Generator().manual_seed(7))
+    x = torch.randint(0, 256, (K, B, T + 1), generator=torch.Generator().manual_seed(7))
     return [(x[i, :, :-1], x[i, :, 1:]) for i in range(K)]
 
 
@@ -69,7 +69,7 @@ def _dense(stack) -> tuple[torch.Tensor, float]:
     """The one-process GPT with the stack's weights (day 22's gather, which knows the QKV's
     [Q_r; K_r; V_r] layout, not day 24's description): its logits on the fixed batch's first
     micro-batch, and its mean loss over the K micro-batches."""
-    gpt = GPT(CFG, seed=1)
+    gpt = GPT(stack.gpt.cfg, seed=1)
     gpt.load_state_dict(dense_state(stack))
     with torch.no_grad():
         losses = [loss_fn(gpt(x), y).item() for x, y in _fixed_batch()]
@@ -85,19 +85,19 @@ def _logits(stack) -> torch.Tensor:
         return local
     pieces = [torch.empty_like(local) for _ in range(stack.grid.tp_size)]
     torch.distributed.all_gather(pieces, local.contiguous(), group=stack.grid.tp_group)
-    return torch.cat(pieces, dim=-1)[..., : CFG.vocab_size]
+    return torch.cat(pieces, dim=-1)[..., : stack.gpt.cfg.vocab_size]
 
 
 def _save_and_reshard(tmp):
     out = {}
-    for name, (src, dst) in PAIRS.items():
+    for name, (src, dst, cfg) in PAIRS.items():
         folder = os.path.join(tmp, name.replace(" ", "_"))
-        saved = StackState(_stack(src), ckpt.Progress(step=2))
+        saved = StackState(_stack(src, cfg), ckpt.Progress(step=2))
         _train(saved.stack, 2)
         ckpt.Checkpointer(folder, keep=1).save(saved, 2)
         want = full_state(saved)
         (want_logits, dense_loss), want_loss = _dense(saved.stack), _loss(saved.stack)
-        loaded = StackState(_stack(dst))
+        loaded = StackState(_stack(dst, cfg))
         fresh_logits = _logits(loaded.stack)  # before the load: the run must change them
         step = ckpt.Checkpointer(folder, keep=1).load(loaded)
         got = full_state(loaded)
@@ -130,7 +130,8 @@ def test_a_model_parallel_checkpoint_loads_bit_for_bit_at_another_layout(reshard
         assert r["keys"], (rank, pair)  # every parameter and moment, once, at both layouts
         assert not r["differ"], (rank, pair, r["differ"][:5])
         # each saved piece: the parameter and its two moments; each parameter: AdamW's step
-        assert r["n"] == 3 * len(list(_dense_names())) + len(list(GPT(CFG).parameters()))
+        cfg = PAIRS[pair][2]
+        assert r["n"] == 3 * len(list(_dense_names(cfg))) + len(list(GPT(cfg).parameters()))
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
@@ -151,9 +152,9 @@ def test_the_resharded_model_computes_the_source_models_logits_and_loss(resharde
         assert abs(got_loss - r["dense_loss"]) <= 1e-6 * want_loss, (rank, pair, r["dense_loss"])
 
 
-def _dense_names():
+def _dense_names(cfg):
     """One-process parameter names, the fused QKV counted as its three saved thirds."""
-    for name, _ in GPT(CFG, seed=0).named_parameters():
+    for name, _ in GPT(cfg, seed=0).named_parameters():
         if ".attn.c_attn." in name:
             yield from (f"{name}.{b}" for b in "qkv")
         else:
