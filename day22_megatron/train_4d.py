@@ -53,7 +53,7 @@ from dtl.comm import CommCounter
 from dtl.data import dp_micro_batches, load_corpus, tokenizer_for
 from dtl.grid import ParallelGrid
 from dtl.metrics import StepLogger, matches_formula
-from dtl.model import PresetName
+from dtl.model import PresetName, num_params
 from dtl.optim import OptimConfig
 from dtl.reference import Verdict, one_process_gpt, reference_verdict
 
@@ -312,6 +312,13 @@ def main(argv: list[str] | None = None) -> None:
         f"grid: {grid}{split}; {cfg.microbatches} micro-batches of {cfg.micro_batch_size} per "
         f"DP rank, schedule {lay.schedule}"
     )
+    mcfg = cfg.model_config()
+    if mcfg.moe is not None:  # what an MoE holds against what one token uses
+        dtl_dist.print0(
+            f"model: {cfg.model}, {num_params(mcfg):,} parameters, "
+            f"{num_params(mcfg, active=True):,} active per token ({mcfg.moe.top_k} of "
+            f"{mcfg.moe.n_expert} experts per layer, {grid.sizes.get(EP_AXIS, 1)} ep ranks)"
+        )
     result = run(cfg, info, grid)
     dtl_dist.finish(report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed
 

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from dtl.grid import ParallelGrid
 
 # The rank order of dtl.grid.ParallelGrid in megatron's spelling. Megatron's default is the same
-# string; ep (expert parallelism) is always 1 in this course, so it never moves a rank.
+# string; ep folds inside dp (day 22's EP_AXES is the same order, outermost first).
 ORDER = "tp-cp-ep-dp-pp"
 
 SHIM_WRITTEN_FOR = "0.16"  # megatron-core major.minor whose source the shim's patches were read in

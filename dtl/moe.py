@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 RouterKind = Literal["softmax", "sigmoid"]
+TINY = 1e-20  # megatron-core's guard against dividing by sigmoid scores that all underflow
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class MoEConfig:
 
     n_expert: int = 4  # E experts per layer
     top_k: int = 2  # experts per token
-    router: RouterKind = "softmax"  # softmax: weights are the top-k probabilities (Switch,
-    # GShard); sigmoid: top-k of sigmoid scores, renormalised to sum 1 (DeepSeek-V3)
+    router: RouterKind = "softmax"  # softmax: weights are the top-k probabilities (Switch;
+    # megatron-core's moe_router_pre_softmax); sigmoid: top-k of sigmoid scores, renormalised
+    # to sum 1 when k > 1 (DeepSeek-V3; megatron-core's sigmoid score function)
     aux_loss_coef: float = 0.01  # Switch's alpha (Megatron's --moe-aux-loss-coeff)
     expert_hidden: int | None = None  # each expert's hidden width; None: 4 * n_embd
 
@@ -98,7 +100,9 @@ def route(logits: torch.Tensor, k: int, kind: RouterKind) -> Routing:
     gates = torch.sigmoid(logits)  # each expert scored on its own, 0..1
     experts = top_k(gates, k)
     chosen = gates.gather(1, experts)
-    return Routing(experts, chosen / chosen.sum(-1, keepdim=True), gates / gates.sum(-1, True))
+    # renormalised over the k (one weight alone would always be 1: no gradient to the router)
+    weights = chosen / (chosen.sum(-1, keepdim=True) + TINY) if k > 1 else chosen
+    return Routing(experts, weights, gates / (gates.sum(-1, keepdim=True) + TINY))
 
 
 def tokens_per_expert(routing: Routing, n_expert: int) -> torch.Tensor:

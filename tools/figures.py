@@ -8,8 +8,9 @@ here, and tests/test_figures.py redraws every one and compares it with the commi
 One process, no process group, a few seconds. Where the code holds the data the figure plots it:
 day 18's curves are formulas.model_state_bytes, day 20's timelines are schedules.simulate playing
 the action lists, day 21's chunks come from dtl.data.cp_chunks and ring_attention.ring_pairs,
-day 22's ranks from dtl.grid.ParallelGrid, day 28's chart is compare.figure. Day 19's block is a
-schematic (day19_tp.layout.block_figure), each linear's split, so where f and g sit, from TP_PLAN.
+day 22's ranks from dtl.grid.ParallelGrid and its dispatch from a real routing, day 28's chart
+is compare.figure. Day 19's block is a schematic (day19_tp.layout.block_figure), each linear's
+split, so where f and g sit, from TP_PLAN.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from day18_zero import formulas as zero
 from day19_tp import layout
 from day20_pp import schedules, timeline
 from day21_sp_cp.ring_attention import attention_work, imbalance, ring_pairs
+from day22_megatron.dispatch_figure import dispatch_figure
 from day28_gpt125m import compare
 from dtl.data import cp_chunks
 from dtl.grid import ParallelGrid
@@ -327,6 +329,7 @@ FIGURES = {
     "ring": Drawing("day21_sp_cp/figures/ring.png", cp_ring),
     "zigzag": Drawing("day21_sp_cp/figures/zigzag.png", cp_chunks_figure),
     "grid": Drawing("day22_megatron/figures/grid.png", grid_layout),
+    "ep_dispatch": Drawing("day22_megatron/figures/ep_dispatch.png", dispatch_figure),
     "trade_off": Drawing("day28_gpt125m/figures/trade_off.png", trade_off),
 }
 
