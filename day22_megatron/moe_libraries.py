@@ -204,7 +204,8 @@ def megatron_forward(
     MoE.aux_loss_scale: megatron's MoEAuxLossAutoScaler.set_loss_scale, process-wide, set here
     for this backward."""
     moe_utils = _mcore("transformer.moe.moe_utils")
-    moe_utils.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_loss_scale))
+    scale = torch.tensor(aux_loss_scale, device=run_device())
+    moe_utils.MoEAuxLossAutoScaler.set_loss_scale(scale)
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     tracker.pop("load_balancing_loss", None)  # its values accumulate over forwards
     y, bias = layer(x.view(x.size(0), 1, x.size(1)))  # megatron's [s, b, h]
