@@ -38,6 +38,14 @@ CASES = {
         (["--gpus=0"], "gpus must be >= 1, got '0'"),
         (["--models=gpt-6.6b", "--gpus=1"], "plan.py finds no layout of gpt-6.6b that fits 1"),
     ],
+    "day22_megatron.moe_scale": [
+        (["--models=gpt5"], "unknown model(s) ['gpt5']"),
+        (["--ns=64,x"], "ns must be comma-separated integers"),
+        (["--distributions=normal"], "unknown distribution(s) ['normal']"),
+        (["--tokens=0"], "'tokens' must be an integer >= 1"),
+        (["--models=deepseek-v3", "--ns=32"], "no ep of deepseek-v3's (64, 256) divides N = 32"),
+        ([], "moe_scale.py runs as one process (--nproc_per_node=1)"),
+    ],
     "day28_gpt125m.scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
         (["--gpus=8,x"], "gpus must be comma-separated integers"),
