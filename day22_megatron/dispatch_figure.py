@@ -10,14 +10,13 @@ row: "r0 t3" is rank 0's token 3; its colour is its expert.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from day22_megatron.ep import local_experts
 from dtl.data import get_batch, load_corpus
 from dtl.model import GPT, preset
-from dtl.moe import MoE, route, sort_by_expert
+from dtl.moe import MoE, sort_by_expert
 
 EP, TOKENS = 2, 5  # ranks, tokens per rank
 EXPERT_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
@@ -36,7 +35,7 @@ def routed_rows() -> list[list[tuple[int, int, int]]]:
     rows = []
     for rank in range(EP):
         tokens = seen[0][rank]  # (TOKENS, C): the layer's input on this rank
-        routing = route(F.linear(tokens, layer.router.weight), layer.cfg.top_k, layer.cfg.router)
+        routing = layer.route(tokens)
         order, _ = sort_by_expert(routing, layer.cfg.n_expert)
         flat = routing.experts.flatten()
         rows.append([(rank, int(i) // layer.cfg.top_k, int(flat[i])) for i in order])

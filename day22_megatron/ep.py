@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from dtl.exercise_seam import exercise
 from dtl.grid import ParallelGrid
-from dtl.moe import MoE, Routing, combine, moe_layers, run_experts, sort_by_expert
+from dtl.moe import Dispatcher, MoE, Routing, combine, moe_layers, run_experts, sort_by_expert
 from dtl.reduction import EXPERT
 
 [EP_AXIS] = EXPERT  # the grid's axis of expert parallelism
@@ -48,7 +48,8 @@ from dtl.reduction import EXPERT
 EP_AXES = ("pp", "dp", "ep", "cp", "tp")
 # the groups the stack's reductions ask for besides the grid's default ones: dense gradients
 # averaged over dp x ep x cp, the norm's squares summed over ep (other experts), tp and pp
-EP_COMBOS = (("dp", "ep", "cp"), ("ep", "tp", "pp"), ("pp", "ep"))
+EP_COMBOS = (("dp", "ep", "cp"), ("ep", "tp", "pp"), ("pp", "ep"))  # and the full state's
+# merge of other tensors: the stages' (pp) and the experts' (ep)
 
 
 def check_ep(n_expert: int, ep: int) -> None:
@@ -68,14 +69,14 @@ class _AllToAll(torch.autograd.Function):
     backward is the same call with the splits swapped (what came from rank j goes back to it)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (send, recv), group
         return _all_to_all(x, send, recv, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         send, recv = ctx.splits
         return _all_to_all(grad, recv, send, ctx.group), None, None, None
 
@@ -92,7 +93,8 @@ def all_to_all_rows(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
     """(sum(send), C) -> (sum(recv), C): send[j] rows to rank j, recv[j] rows from it."""
-    return cast(torch.Tensor, _AllToAll.apply(x, send, recv, group))
+    moved: torch.Tensor = _AllToAll.apply(x, send, recv, group)  # type: ignore[no-untyped-call]
+    return moved
 
 
 @dataclass
@@ -138,7 +140,7 @@ class AllToAllDispatcher:
         self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
         self.traffic = Traffic()
 
-    def __deepcopy__(self, memo: dict) -> AllToAllDispatcher:
+    def __deepcopy__(self, memo: dict[int, Any]) -> AllToAllDispatcher:
         return self  # a process group is not copied: a pipeline stage's copy shares it
 
     def __call__(
@@ -146,132 +148,66 @@ class AllToAllDispatcher:
     ) -> torch.Tensor:
         order, counts = sort_by_expert(routing, n_expert)
         rows = tokens[order // routing.top_k]  # (N*k, C), expert-major = destination-major
-        returned, received = self.exchange(rows, counts, experts)  # steps 1-4
-        self.traffic.add(rows.size(0), int(received.sum()))
+        returned, recv = self.exchange(rows, counts, experts)  # steps 1-4
+        self.traffic.add(rows.size(0), sum(recv))
         # 5. expert order -> (token, slot) order, weighted sum over the k slots
         return combine(returned[torch.argsort(order)], routing)
 
     @exercise("day22.ep_dispatch")
     def exchange(
         self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[int]]:
         """Steps 1-4: `rows` (N*k, C), this rank's rows sorted by expert, `counts` (E,) how
         many go to each expert -> (the rows' expert outputs, in the same order, (N*k, C); the
-        (ep, E/ep) matrix of rows each rank sent to each of this rank's experts). This rank's
-        experts are `self.experts` (a range), found in `experts` by str(index); the group is
-        `self.group` of `self.ep` ranks. all_to_all_rows moves rows with autograd;
-        dist.all_to_all_single moves the counts; run_experts runs experts on slices."""
+        rows each rank sent here, a list of ep ints). This rank's experts are `self.experts`
+        (a range), found in `experts` by str(index); the group is `self.group` of `self.ep`
+        ranks. all_to_all_rows moves rows with autograd; dist.all_to_all_single moves the
+        counts; run_experts runs experts on slices. One host sync: the split sizes."""
         per_rank = len(self.experts)
         # exercise day22.ep_dispatch: begin
-        # 1. (E,) counts -> (ep * E/ep,): what each rank sends to each of my experts
+        # 1. (E,) counts -> (E,) received: what each rank sends to each of my experts
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        received = received.view(self.ep, per_rank)  # [source rank, my expert]
-        send = counts.view(self.ep, per_rank).sum(1).tolist()  # the host sync: split sizes
-        recv = received.sum(1).tolist()
+        # the host sync: both tables as Python ints, [rank][expert of that rank's block]
+        sent_table, recv_table = torch.stack([counts, received]).view(2, self.ep, -1).tolist()
+        send = [sum(row) for row in sent_table]  # rows to each rank
+        recv = [sum(row) for row in recv_table]  # rows from each rank
+        per_expert = [sum(col) for col in zip(*recv_table, strict=True)]  # rows per my expert
         # 2. (N*k, C) -> (R, C), rank-major
         arrived = all_to_all_rows(rows, send, recv, self.group)
         # 3. rank-major -> expert-major: each row's local expert, sorted stably
         local = torch.arange(per_rank, device=counts.device).repeat(self.ep)
-        regroup = torch.sort(local.repeat_interleave(received.flatten()), stable=True).indices
+        expert_of_row = local.repeat_interleave(received, output_size=sum(recv))  # (R,)
+        regroup = torch.sort(expert_of_row, stable=True).indices
         mine = [experts[str(e)] for e in self.experts]
-        out = run_experts(arrived[regroup], received.sum(0).tolist(), mine)
+        out = run_experts(arrived[regroup], per_expert, mine)
         # 4. expert-major -> rank-major, then (R, C) -> (N*k, C) back to their tokens' ranks
         returned = all_to_all_rows(out[torch.argsort(regroup)], recv, send, self.group)
-        return returned, received
+        return returned, recv
         # exercise day22.ep_dispatch: end
 
 
-class AllGatherDispatcher:
-    """The other way to move tokens (megatron-core's MoEAllGatherTokenDispatcher): every rank
-    gathers every rank's tokens, runs its own experts on the rows routed to them, and the
-    partial outputs are summed across the group. More bytes than all-to-all (all tokens
-    everywhere), no split sizes to exchange; the tests use it as a second opinion."""
+class ExpertDispatcher(Dispatcher, Protocol):
+    """A dispatcher that holds some of the experts: built from (group, E), it knows which."""
 
-    def __init__(self, group: dist.ProcessGroup, n_expert: int):
-        self.group, self.ep = group, dist.get_world_size(group)
-        self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
+    experts: range
 
-    def __deepcopy__(self, memo: dict) -> AllGatherDispatcher:
-        return self  # a process group is not copied: a pipeline stage's copy shares it
-
-    def __call__(
-        self, tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict, n_expert: int
-    ) -> torch.Tensor:
-        mine = torch.tensor([tokens.size(0)], device=tokens.device)
-        sizes = [torch.zeros_like(mine) for _ in range(self.ep)]
-        dist.all_gather(sizes, mine, group=self.group)
-        n, longest = [int(s) for s in sizes], max(int(s) for s in sizes)
-        everyone = _gather_rows(tokens, n, longest, self.group)  # (sum n, C)
-        chosen = _gather_rows(routing.experts, n, longest, self.group)  # (sum n, k)
-        k = routing.top_k
-        flat = chosen.flatten()
-        ours = torch.nonzero((flat >= self.experts.start) & (flat < self.experts.stop)).flatten()
-        order = ours[torch.sort(flat[ours], stable=True).indices]  # my slots, expert-major
-        counts = torch.bincount(flat[order] - self.experts.start, minlength=len(self.experts))
-        out = run_experts(
-            everyone[order // k], counts.tolist(), [experts[str(e)] for e in self.experts]
-        )
-        partial = out.new_zeros(flat.numel(), out.size(1)).index_copy(0, order, out)
-        total = cast(torch.Tensor, _Sum.apply(partial, self.group))  # every slot's output
-        start = sum(n[: dist.get_rank(self.group)]) * k
-        return combine(total[start : start + tokens.size(0) * k], routing)
-
-
-class _Sum(torch.autograd.Function):
-    """All-reduce (sum) forward; backward the same: every rank's output used every input."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        out = grad.clone()
-        dist.all_reduce(out, group=ctx.group)
-        return out, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather of equal (padded) row blocks; backward: the gathered gradient summed over the
-    ranks (each used every block) and this rank's block kept (gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)  # (ep * rows, ...)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
-
-
-def _gather_rows(
-    x: torch.Tensor, sizes: list[int], longest: int, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Every rank's (sizes[r], ...) rows end to end, padded to `longest` for the gather."""
-    padded = torch.cat([x, x.new_zeros(longest - x.size(0), *x.shape[1:])])
-    parts = cast(torch.Tensor, _GatherRows.apply(padded, group)).chunk(len(sizes))
-    return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)])
+    def __init__(self, group: dist.ProcessGroup, n_expert: int) -> None: ...
 
 
 def apply_ep(
-    model: nn.Module, group: dist.ProcessGroup, dispatcher: type = AllToAllDispatcher
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    dispatcher: type[ExpertDispatcher] = AllToAllDispatcher,
 ) -> nn.Module:
     """Expert parallelism over `group`, in place: every MoE layer keeps its E/ep experts (the
     others are deleted; the kept ones keep their one-process names, so init, checkpoints and
     the reduction table find them) and moves tokens with `dispatcher`."""
     for layer in moe_layers(model):
         check_ep(layer.cfg.n_expert, dist.get_world_size(group))
-        layer.dispatcher = dispatcher(group, layer.cfg.n_expert)
-        _keep(layer, cast(AllToAllDispatcher, layer.dispatcher).experts)
+        moves = dispatcher(group, layer.cfg.n_expert)
+        layer.dispatcher = moves
+        _keep(layer, moves.experts)
     return model
 
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import dtl.megatron as dm
 from dtl.deepspeed import import_deepspeed
 from dtl.dist import run_device, timeout_s
-from dtl.moe import LocalDispatcher, MoE, Routing, load_balancing_loss, route
+from dtl.moe import LocalDispatcher, MoE, Routing, load_balancing_loss
 
 # our expert's linears -> megatron's (an expert's parameter names otherwise agree)
 MEGATRON_NAMES = {"c_fc": "linear_fc1", "c_proj": "linear_fc2"}
@@ -274,8 +274,7 @@ def reference_forward(
     """Our layer's steps (MoE.forward) with the top-k weights optionally renormalised and another
     aux loss; the aux is returned, not attached: add coef * aux to the loss."""
     tokens = x.reshape(-1, x.size(-1))
-    logits = F.linear(tokens.float(), ours.router.weight.float())
-    routing = route(logits, ours.cfg.top_k, ours.cfg.router)
+    routing = ours.route(tokens)
     if renormalise:
         routing = renormalised(routing)
     y = LocalDispatcher()(tokens, routing, ours.experts, ours.cfg.n_expert)

@@ -22,8 +22,8 @@ The order and what each step leaves for the next:
                            (dp x cp, and ep for all but the experts), once per step, after the
                            last backward
 The reduction table (dtl.reduction, `stack.reduction`) says, parameter by parameter, which grid
-axes hold its replicas, its pieces and its stages: the DP average, the global norm and the full
-state read it, never a parameter's name.
+axes hold its replicas, its pieces, its stages and (for an expert) the ranks routing to it: the
+DP average, the global norm and the full state read it, never a parameter's name.
 Two combinations are refused: CP or SP under PP. Day 20's runner allocates (B, T, C) receive
 buffers and passes no position ids, so a stage cannot take T/cp (or T/tp) tokens; megatron-core
 (train_megatron.py) runs SP with PP.
@@ -174,8 +174,9 @@ def forward_backward(stack: Stack, micro_batches) -> float | None:
 
 def sync_gradients(stack: Stack) -> int:
     """DP: each gradient averaged over the ranks that hold its replicas and saw other tokens,
-    the axes its record names (dp x cp for every GPT parameter: CP ranks saw other parts of the
-    same rows); one all-reduce per set of axes. Returns the bytes reduced."""
+    the axes its record names (dp x cp, CP ranks saw other parts of the same rows; and ep for
+    every parameter but the experts, whose sum is divided by their routed axes too); one
+    all-reduce per set of axes. Returns the bytes reduced."""
     groups = stack.reduction.average_groups(stack.named)  # axes -> this rank's parameters
     table, grid = stack.reduction, stack.grid
     return sum(

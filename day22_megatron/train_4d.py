@@ -219,28 +219,27 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
         microbatches=cfg.microbatches, seq_len=cfg.seq_len, sp=cfg.sp,
     )  # fmt: skip
-    if lay.ep > 1:  # the rows' bytes from the rows the routing sent: ring-equivalent here
-        t = result["traffic"]
-        data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls)
+    t = result["traffic"]  # the rows the routing sent and received, per the dispatchers
+    data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls) if lay.ep > 1 else 0
+    if lay.ep > 1:  # ring-equivalent, as CommCounter reports every axis
         want_comm["ep"] = data * (lay.ep - 1) / lay.ep
     want_comm["total"] = sum(want_comm.values())  # the axes' sum: nothing sent outside them
     got = {**result["state"], **result["sent"]}
     want = {**want_state, **want_comm}
     exact = {k: matches_formula(got[k], want[k]) for k in want}
-    bad = torch.tensor([float(not all(exact.values()))], device=result["device"])
-    dist.all_reduce(bad)
     lines = [
         f"  {k:<7}{got[k] / MB:>12.3f}{want[k] / MB:>12.3f}  {'exact' if exact[k] else 'MISMATCH'}"
         for k in want
     ]
-    if lay.ep > 1:
-        t = result["traffic"]
-        data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls)
+    if lay.ep > 1:  # the all-to-alls' data (S of every call), against the rows' formula
+        exact["all-to-all"] = matches_formula(result["all_to_all"], data)
         lines.append(
             f"  all-to-all data, last step: {t.calls} layer forwards sent {t.rows_sent} and "
             f"received {t.rows_received} rows of {mcfg.n_embd}: 2 (sent + received) C e + "
             f"{t.calls} x E counts = {data:,.0f} B, counted {result['all_to_all']:,.0f} B"
         )
+    bad = torch.tensor([float(not all(exact.values()))], device=result["device"])
+    dist.all_reduce(bad)
     return lines, bad.item() == 0
 
 

@@ -201,11 +201,16 @@ class MoE(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None  # detached, for the logs
         self.last_tokens_per_expert: torch.Tensor | None = None
 
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """(N, C) tokens -> their Routing. The router runs in fp32 whatever the model's dtype,
+        autocast too (off here): top-k on rounded logits flips near-ties between ranks."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
+        return route(logits, self.cfg.top_k, self.cfg.router)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.size(-1))  # (B, T, C) -> (N, C)
-        # the router in fp32 whatever the model's dtype: top-k on rounded logits flips ties
-        logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
-        routing = route(logits, self.cfg.top_k, self.cfg.router)
+        routing = self.route(tokens)
         y = self.dispatcher(tokens, routing, self.experts, self.cfg.n_expert)  # (N, C)
         aux = load_balancing_loss(routing, self.cfg.n_expert)
         self.last_aux_loss = aux.detach()

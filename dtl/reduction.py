@@ -65,17 +65,21 @@ class Reduction:
         if len(set(self.axes)) != len(self.axes):
             raise ValueError(f"Reduction: an axis in two roles: {self}")
 
+    @staticmethod
+    def roles() -> tuple[str, ...]:
+        """The role fields, in declaration order: every field but `copy_of`."""
+        return tuple(f.name for f in dataclasses.fields(Reduction) if f.name != "copy_of")
+
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis this record gives a role."""
-        return self.average + self.replica + self.shard + self.stage + self.routed
+        return tuple(a for role in self.roles() for a in getattr(self, role))
 
     def within(self, axes: Iterable[str]) -> Reduction:
         """The record with the axes a grid lacks left out (no ep axis: no expert parallelism)."""
         keep = set(axes)
-        roles = ("average", "replica", "shard", "stage", "routed")
         changes: dict[str, Any] = {
-            r: tuple(a for a in getattr(self, r) if a in keep) for r in roles
+            r: tuple(a for a in getattr(self, r) if a in keep) for r in self.roles()
         }
         return dataclasses.replace(self, **changes)
 

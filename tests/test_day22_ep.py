@@ -25,13 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from day22_megatron import stack
-from day22_megatron.ep import (
-    EP_AXES,
-    EP_COMBOS,
-    AllGatherDispatcher,
-    AllToAllDispatcher,
-    apply_ep,
-)
+from day22_megatron.ep import EP_AXES, EP_COMBOS, AllToAllDispatcher, apply_ep
+from day22_megatron.ep_allgather import AllGatherDispatcher
 from dtl import dist as dtl_dist
 from dtl.data import get_batch, load_corpus
 from dtl.grid import ParallelGrid

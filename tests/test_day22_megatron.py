@@ -26,6 +26,7 @@ import torch
 
 import dtl.megatron as dm
 from day22_megatron import formulas, layouts, megatron_gpt, stack, train_4d, train_megatron
+from day22_megatron.ep import EP_AXES
 from day22_megatron.megatron_gpt import from_megatron, to_megatron
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
@@ -252,6 +253,15 @@ def test_grad_norm_counts_each_tensor_once():
     assert not stack._counted_once("blocks.0.ln_1.weight", s)
     assert not stack._counted_once("lm_head.weight", s)  # wte stands for the tied weight
     assert stack._counted_once("wte.weight", s)
+    # an MoE on tp 2 x ep 2, rank 2 (ep 1, tp 0): its own experts, once per TP group; a dense
+    # tensor is the same on both ep ranks (averaged over ep): the ep rank 0 counts it
+    grid = ParallelGrid(ep=2, tp=2, axes=EP_AXES, world_size=4, rank=2)
+    moe = GPT(preset("tiny-moe"))
+    s = stack.Stack(grid, moe, None, [], {}, loss_fn, None, gpt_reductions(moe, EP_AXES))
+    assert stack._counted_once("blocks.0.mlp.experts.3.c_fc.weight", s)  # routed over ep
+    assert not stack._counted_once("blocks.0.attn.c_attn.weight", s)  # ep rank 1
+    assert not stack._counted_once("blocks.0.mlp.router.weight", s)
+    assert not stack._counted_once("wte.weight", s)
 
 
 def _stage_of(name, n_layer, pp):

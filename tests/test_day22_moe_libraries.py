@@ -7,7 +7,7 @@ Two gloo ranks, one spawn for the file (`results`). The layer: C = 16, E = 4 exp
 loss's included: megatron attaches it as ours does, DeepSpeed's l_aux is added to the loss),
 each expert's gradients (at ep 2 against ours summed over the ep group: the expert's owner ran
 both ranks' rows), the aux value. fp32, rtol 1e-5, atol 1e-6: the same sums in another order,
-measured <= 7.2e-7 (the aux values bit for bit); the planted differences are >= 2e-4.
+measured <= 7.2e-7; the planted differences are >= 2e-4.
 
 - megatron-core 0.16.1 (moe_router_pre_softmax=True, SequentialMLP experts without biases):
   ours at k = 1 and 2, ep 1 and 2, with the all-gather and the all-to-all dispatcher; biased

@@ -51,7 +51,8 @@ def _train(stack, steps: int) -> None:
 
 def _fixed_batch():
     """The same K micro-batches on every rank and at every layout (not the training data)."""
-    x = torch.randint(0, 256, (K, B, T + 1), generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, DENSE.vocab_size, (K, B, T + 1), generator=g)
     return [(x[i, :, :-1], x[i, :, 1:]) for i in range(K)]
 
 

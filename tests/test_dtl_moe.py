@@ -44,9 +44,11 @@ def test_ties_route_to_the_lower_index_and_sigmoid_weights_sum_to_one():
     torch.testing.assert_close(r.weights.sum(-1), torch.ones(5))
 
 
-def test_the_aux_loss_is_one_at_balance_and_e_when_one_expert_takes_all():
-    uniform = route(torch.zeros(8, 4), 1, "softmax")  # ties: every token to expert 0
-    assert load_balancing_loss(uniform, 4).item() == pytest.approx(1.0)  # P = 1/4: E * 1 * 1/4
+def test_the_aux_loss_is_one_at_balance_and_grows_when_one_expert_takes_all():
+    # flat scores: every token to expert 0 (a tie), yet the loss is 1 (P = 1/4: E x 1 x 1/4):
+    # the loss sees a skew only through the scores, which is where its gradient goes
+    flat = route(torch.zeros(8, 4), 1, "softmax")
+    assert load_balancing_loss(flat, 4).item() == pytest.approx(1.0)
     skewed = route(torch.tensor([[9.0, 0, 0, 0]] * 8), 1, "softmax")
     assert load_balancing_loss(skewed, 4).item() == pytest.approx(4 * skewed.scores[0, 0].item())
     spread = route(torch.eye(4).repeat(2, 1) * 5, 1, "softmax")  # two tokens per expert
