@@ -132,16 +132,24 @@ def data_rank(grid: ParallelGrid) -> tuple[int, int]:
     return grid.dp_rank * ep + ep_rank, grid.dp_size * ep
 
 
-class AllToAllDispatcher:
-    """Steps 1-5 of the module docstring: this rank's experts, the others' by all-to-all."""
+class HoldsExperts:
+    """A dispatcher over an ep group: the group, its size and this rank's block of experts.
+    A pipeline stage's deep copy shares it (a process group is not copied)."""
 
     def __init__(self, group: dist.ProcessGroup, n_expert: int):
         self.group, self.ep = group, dist.get_world_size(group)
         self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
-        self.traffic = Traffic()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> AllToAllDispatcher:
-        return self  # a process group is not copied: a pipeline stage's copy shares it
+    def __deepcopy__(self, memo: dict[int, Any]) -> HoldsExperts:
+        return self
+
+
+class AllToAllDispatcher(HoldsExperts):
+    """Steps 1-5 of the module docstring: this rank's experts, the others' by all-to-all."""
+
+    def __init__(self, group: dist.ProcessGroup, n_expert: int):
+        super().__init__(group, n_expert)
+        self.traffic = Traffic()
 
     def __call__(
         self, tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict, n_expert: int

@@ -15,19 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from day22_megatron.ep import local_experts
+from day22_megatron.ep import HoldsExperts
 from dtl.moe import Routing, combine, run_experts
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(HoldsExperts):
     """Every rank's tokens gathered, this rank's experts run on theirs, the outputs summed."""
-
-    def __init__(self, group: dist.ProcessGroup, n_expert: int):
-        self.group, self.ep = group, dist.get_world_size(group)
-        self.experts = local_experts(n_expert, self.ep, dist.get_rank(group))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> AllGatherDispatcher:
-        return self  # a process group is not copied: a pipeline stage's copy shares it
 
     def __call__(
         self, tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict, n_expert: int

@@ -91,18 +91,32 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def route(logits: torch.Tensor, k: int, kind: RouterKind) -> Routing:
-    """(N, E) fp32 router logits -> the Routing of `kind`."""
-    if kind == "softmax":
-        scores = logits.softmax(dim=-1)
-        experts = top_k(scores, k)
-        return Routing(experts, scores.gather(1, experts), scores)
-    gates = torch.sigmoid(logits)  # each expert scored on its own, 0..1
+def _softmax_route(logits: torch.Tensor, k: int) -> Routing:
+    """The top-k of the softmax scores, weighted by those scores (not renormalised)."""
+    scores = logits.softmax(dim=-1)
+    experts = top_k(scores, k)
+    return Routing(experts, scores.gather(1, experts), scores)
+
+
+def _sigmoid_route(logits: torch.Tensor, k: int) -> Routing:
+    """The top-k of sigmoid scores (each expert scored on its own, 0..1), renormalised over
+    the k when k > 1 (one weight alone would always be 1: no gradient to the router)."""
+    gates = torch.sigmoid(logits)
     experts = top_k(gates, k)
     chosen = gates.gather(1, experts)
-    # renormalised over the k (one weight alone would always be 1: no gradient to the router)
     weights = chosen / (chosen.sum(-1, keepdim=True) + TINY) if k > 1 else chosen
     return Routing(experts, weights, gates / (gates.sum(-1, keepdim=True) + TINY))
+
+
+ROUTERS: dict[str, Callable[[torch.Tensor, int], Routing]] = {
+    "softmax": _softmax_route,
+    "sigmoid": _sigmoid_route,
+}
+
+
+def route(logits: torch.Tensor, k: int, kind: RouterKind) -> Routing:
+    """(N, E) fp32 router logits -> the Routing of `kind` (ROUTERS)."""
+    return ROUTERS[kind](logits, k)
 
 
 def tokens_per_expert(routing: Routing, n_expert: int) -> torch.Tensor:
@@ -110,10 +124,15 @@ def tokens_per_expert(routing: Routing, n_expert: int) -> torch.Tensor:
     return torch.bincount(routing.experts.flatten(), minlength=n_expert)
 
 
-def load_balancing_loss(routing: Routing, n_expert: int) -> torch.Tensor:
-    """Switch's aux loss over these tokens: E * sum_e f_e P_e (module docstring), fp32 scalar."""
+def load_balancing_loss(
+    routing: Routing, n_expert: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch's aux loss over these tokens: E * sum_e f_e P_e (module docstring), fp32 scalar.
+    `counts`: tokens_per_expert(routing), where the caller has it already."""
     n_rows = max(routing.experts.numel(), 1)  # N * k (a rank with no token: aux 0)
-    f = tokens_per_expert(routing, n_expert).to(routing.scores.dtype) / n_rows  # no gradient
+    if counts is None:
+        counts = tokens_per_expert(routing, n_expert)
+    f = counts.to(routing.scores.dtype) / n_rows  # no gradient
     P = routing.scores.sum(dim=0) / max(routing.scores.size(0), 1)  # (E,): the gradient's path
     return n_expert * (f * P).sum()
 
@@ -212,9 +231,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.size(-1))  # (B, T, C) -> (N, C)
         routing = self.route(tokens)
         y = self.dispatcher(tokens, routing, self.experts, self.cfg.n_expert)  # (N, C)
-        aux = load_balancing_loss(routing, self.cfg.n_expert)
-        self.last_aux_loss = aux.detach()
-        self.last_tokens_per_expert = tokens_per_expert(routing, self.cfg.n_expert)
+        counts = tokens_per_expert(routing, self.cfg.n_expert)
+        aux = load_balancing_loss(routing, self.cfg.n_expert, counts)
+        self.last_aux_loss, self.last_tokens_per_expert = aux.detach(), counts
         scale = self.cfg.aux_loss_coef * self.aux_loss_scale
         if torch.is_grad_enabled() and scale:
             y = _AttachAuxLoss.apply(y, aux, scale)  # type: ignore[no-untyped-call]
@@ -230,13 +249,3 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     which the aux loss's gradient must carry too."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = scale
-
-
-def aux_loss(model: nn.Module) -> float:
-    """Sum over the layers of the last forward's aux loss, times its coefficient: what the
-    router's gradient adds to the loss (0.0 for a dense model)."""
-    return sum(
-        layer.cfg.aux_loss_coef * float(layer.last_aux_loss)
-        for layer in moe_layers(model)
-        if layer.last_aux_loss is not None
-    )
