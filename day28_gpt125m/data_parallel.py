@@ -111,7 +111,7 @@ class DDP(TorchData):
     name = "ddp"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
         return 16 * num_params(m), 0.0  # 4 param + 4 grad + 8 Adam, on every rank (day 18)
 
     def wrap(self, gpt, device):
@@ -130,7 +130,7 @@ class FSDP2(TorchData):
     suggested_when_short = True
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
         return 16 * num_params(m) / world, 4 * block_params(m, 1)  # + the largest block, full
 
     def wrap(self, gpt, device):

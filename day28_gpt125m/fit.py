@@ -14,10 +14,13 @@ full while a step runs), each strategy's own predicted_state (its class in REGIS
                (day 18); 16Ψ/N in bf16 (2 + 2 + 12)                           (day 23: 4Ψ, 2Ψ)
     tp_pp,     day 22's formulas.state_bytes of the fullest pipeline stage (the TP shard of its
     tp_sp,     layers, the embedding on the first stage, the head on the last) + 0; tp_sp is
-    megatron   tp_pp at pp = 1; megatron's DistributedOptimizer shards Adam's m and v over dp
+    ep,        tp_pp at pp = 1; ep keeps E/ep experts of each MoE layer (day 22's expert rows);
+    megatron   megatron's DistributedOptimizer shards Adam's m and v over dp
 Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
 fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
-the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage.
+the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage. An MoE is counted
+as its dense trunk: each token's k routed copies through F-wide experts are counted as one 4C-wide
+MLP, so tiny-moe (k = 2, F = 4C) holds about one MLP's share more (18·s·b·h per layer).
 The device: the GPU's total memory when the run computes on GPUs (NCCL), else the machine's RAM
 shared by the local ranks (a gloo run); DTL_DEVICE_MEMORY_GB overrides it (the tests, and a
 what-if on any machine).
@@ -64,6 +67,7 @@ def predicted_bytes(
     world: int,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     micro: int = 1,
     seq_len: int = 1024,
     precision: str = "fp32",
@@ -72,7 +76,9 @@ def predicted_bytes(
     states and total they add up to. `cfg`: a GPTConfig, or anything with model_config()."""
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
     kind = REGISTRY[strategy]  # each strategy predicts its own state (its class)
-    resident, gathered = kind.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)
+    resident, gathered = kind.predicted_state(
+        m, world=world, tp=tp, pp=pp, ep=ep, precision=precision
+    )
     t = tp if kind.model_parallel else 1
     acts = formulas.activation_bytes(m, seq_len, micro, t, precision)  # day 22's count
     states = resident + gathered
@@ -86,7 +92,7 @@ def check(cfg) -> None:
     have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
     own = dict(kw, precision=cfg.runs_precision)
-    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, **own)
+    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, **own)
     if need["total"] <= have:
         return
     others = {
@@ -94,7 +100,9 @@ def check(cfg) -> None:
             "total"
         ]
         for s, kind in REGISTRY.items()
-        if kind.suggested_when_short and s != cfg.strategy
+        if kind.suggested_when_short
+        and s != cfg.strategy
+        and kind.experts == (cfg.model_config().moe is not None)  # dense models, or MoE ones
     }
     fits = [f"{s} ({b / GB:.1f} GB)" for s, b in others.items() if b <= have]
     hint = f"strategies that fit: {', '.join(fits)}" if fits else "lower --micro_batch_size"

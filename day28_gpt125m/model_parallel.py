@@ -3,6 +3,8 @@
     tp_pp   TP over grid.tp_group (day 19) -> the pipeline over grid.pp_group (day 20), DP beside
             by average_gradients; torch's AdamW
     tp_sp   Megatron sequence parallelism on TP (day 21), pp = 1; DP beside
+    ep      an MoE GPT: its experts over grid.ep_group, ep of the dp ranks (day 22's ep.py,
+            tokens by all-to-all); TP, PP and DP beside
 
 `Pipelined` is what every TP x PP x DP strategy shares, megatron-core's too (megatron_core.py):
 each pipeline stage's state by day 22's formulas, the fullest stage the one fit.py sizes by.
@@ -22,16 +24,15 @@ from dtl.model import GPTConfig
 from dtl.optim import set_lr
 
 
-def stage_state(m: GPTConfig, world: int, tp: int, pp: int, pp_rank: int, distopt: bool) -> float:
+def stage_state(m: GPTConfig, lay: Layout, pp_rank: int, distopt: bool) -> float:
     """Day 22's formulas.state_bytes of pipeline stage `pp_rank` (the TP shard of its layers,
-    the embedding on the first stage, the head on the last)."""
-    lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp))
+    E/ep experts of each MoE layer, the embedding on the first stage, the head on the last)."""
     return sum(formulas.state_bytes(m, lay, pp_rank, distopt).values())
 
 
-def fullest_stage(m: GPTConfig, world: int, tp: int, pp: int, distopt: bool) -> float:
+def fullest_stage(m: GPTConfig, lay: Layout, distopt: bool) -> float:
     """The stage that holds the most: what every rank must have room for."""
-    return max(stage_state(m, world, tp, pp, r, distopt) for r in range(pp))
+    return max(stage_state(m, lay, r, distopt) for r in range(lay.pp))
 
 
 def untied(state: dict, cfg: GPTConfig) -> dict:
@@ -49,12 +50,14 @@ class Pipelined(Strategy):
     distributed_optimizer = False
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, precision="fp32"):
-        return fullest_stage(m, world, tp, pp, distopt=cls.distributed_optimizer), 0.0
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+        lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
+        return fullest_stage(m, lay, distopt=cls.distributed_optimizer), 0.0
 
     @classmethod
-    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, pp_rank=0, precision="fp32"):
-        return stage_state(m, world, tp, pp, pp_rank, distopt=cls.distributed_optimizer)
+    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, ep=1, pp_rank=0, precision="fp32"):
+        lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
+        return stage_state(m, lay, pp_rank, distopt=cls.distributed_optimizer)
 
 
 @register
@@ -115,3 +118,15 @@ class OurTPSP(OurTPPP):
     name = "tp_sp"
     sequence_parallel = True
     pipelines = False  # the stack runs SP without PP (stack.py says why)
+
+
+@register
+class OurEP(OurTPPP):
+    """Day 22's stack on a mixture-of-experts GPT: the grid's ep axis inside dp (megatron-core's
+    order), each MoE layer keeping its E/ep experts and sending tokens to them by all-to-all
+    (day 22's ep.py); a dense gradient averaged over dp x ep, an expert's summed over its
+    copies and divided by dp x ep (every rank's tokens reached it); TP and PP as tp_pp. The
+    same Checkpointer: each expert a key of its own, so a checkpoint loads at another ep."""
+
+    name = "ep"
+    experts = True

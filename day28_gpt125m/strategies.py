@@ -11,12 +11,14 @@
     zero2     DeepSpeed ZeRO-2 (day 18)    reduce-scatter / all-gather DeepSpeed's AdamW on shards
     zero3     DeepSpeed ZeRO-3 (day 23)    reduce-scatter / all-gather DeepSpeed's AdamW on shards
     tp_pp     our stack (day 22): apply_tp -> apply_pp, DP by average_gradients; torch AdamW
+    tp_sp     the same stack with Megatron SP on TP (day 21), pp = 1
+    ep        the same stack on an MoE GPT: experts over ep of the dp ranks, tokens by all-to-all
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
 
 Each strategy is a class in REGISTRY that says what it supports (model parallelism, --precision,
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it), in a module of
 its family: data_parallel.py (ddp, fsdp2), deepspeed_zero.py (zero2, zero3), model_parallel.py
-(tp_pp, tp_sp, and the Pipelined base they share with megatron), megatron_core.py (megatron).
+(tp_pp, tp_sp, ep, and the Pipelined base they share with megatron), megatron_core.py (megatron).
 This module imports them all, so that REGISTRY is complete for whoever imports it here: adding a
 strategy is a class with @register in one of them (or a new module imported below), and the
 config, the fit check and the tests take it from there.
@@ -45,6 +47,7 @@ from dtl.precision import PRECISIONS
 
 STRATEGIES = tuple(REGISTRY)  # what --strategy takes
 MODEL_PARALLEL = tuple(n for n, c in REGISTRY.items() if c.model_parallel)  # take --tp, --pp
+EXPERTS = tuple(n for n, c in REGISTRY.items() if c.experts)  # train an MoE model, take --ep
 # --precision=p is applied by APPLIES[p] (on some device); the others run fp32
 APPLIES = {p: tuple(n for n, c in REGISTRY.items() if p in c.support.devices) for p in PRECISIONS}
 COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.compile

@@ -58,6 +58,9 @@ class Strategy:
     model_parallel = False  # takes --tp and --pp (tp x pp x dp ranks); else pure data parallel
     pipelines = True  # a model-parallel strategy that takes --pp > 1 (tp_sp: no, pp = 1)
     sequence_parallel = False  # Megatron SP on top of TP (needs --tp > 1)
+    # trains a mixture-of-experts GPT, its experts over --ep of the dp ranks (the others train
+    # dense models: they refuse an MoE preset in one line)
+    experts = False
     no_recompute = ""  # why --recompute other than none is refused ("": dtl.model's applies)
     # the precisions it applies (autocast, or DeepSpeed's section), and on which devices; asked
     # for another, it runs fp32 (train.py says so)
@@ -76,10 +79,18 @@ class Strategy:
 
     @classmethod
     def predicted_state(
-        cls, m: GPTConfig, *, world: int, tp: int = 1, pp: int = 1, precision: str = "fp32"
+        cls,
+        m: GPTConfig,
+        *,
+        world: int,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        precision: str = "fp32",
     ) -> tuple[float, float]:
         """(resident, gathered) model-state bytes per rank: the partitions a rank keeps, and
-        what it holds full while a step runs (fit.py's table)."""
+        what it holds full while a step runs (fit.py's table). `ep`: expert-parallel ranks
+        (a strategy with `experts`; the others train dense models and ignore it)."""
         raise NotImplementedError
 
     @classmethod
@@ -90,13 +101,14 @@ class Strategy:
         world: int,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         pp_rank: int = 0,
         precision: str = "fp32",
     ) -> float:
         """The resident model-state bytes of the ranks at pipeline position `pp_rank` (the
         same on every rank unless the strategy pipelines: then the first stage holds the
         embedding, the last the head). fit.py sizes by the fullest; the tests check each."""
-        return cls.predicted_state(m, world=world, tp=tp, pp=pp, precision=precision)[0]
+        return cls.predicted_state(m, world=world, tp=tp, pp=pp, ep=ep, precision=precision)[0]
 
     @classmethod
     def runs_in(cls, precision: str, device_type: str) -> str:

@@ -6,6 +6,8 @@ CPU (gloo), the `tiny` model, ~5-10 s:
     torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=tp_pp --tp=2 --pp=2
     torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=megatron \
         --tp=2 --pp=2
+    torchrun --standalone --nproc_per_node=4 -m day28_gpt125m.train --strategy=ep \
+        --model=tiny-moe --tp=2 --ep=2
 GPUs (NCCL), GPT-2 124M, bf16, 0.5M tokens per step (the launch/ scripts for 2 and 8 GPUs, two
 nodes, Slurm and the deepspeed launcher):
     torchrun --standalone --nproc_per_node=gpu -m day28_gpt125m.train \
@@ -36,17 +38,21 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from day22_megatron.layouts import VOCAB_MULTIPLE, padded_preset
+from day22_megatron.ep import data_rank
+from day22_megatron.layouts import VOCAB_MULTIPLE, Layout, LayoutError, check_experts, padded_preset
+from day22_megatron.stack import grid_for
 from day28_gpt125m import data as shards
 from day28_gpt125m import fit
 from day28_gpt125m.recipe import Recipe, generate, lr_at
 from day28_gpt125m.strategies import (
     APPLIES,
     COMPILE,
+    EXPERTS,
     MODEL_PARALLEL,
     REGISTRY,
     STRATEGIES,
     Setup,
+    Strategy,
     build,
     mean_loss,
 )
@@ -73,11 +79,12 @@ from dtl.shared_folder import require_shared_folder
 
 @dataclass
 class Config:
-    # ddp | fsdp2 | zero2 | zero3 | tp_pp | tp_sp | megatron
+    # ddp | fsdp2 | zero2 | zero3 | tp_pp | tp_sp | ep | megatron
     strategy: Literal[STRATEGIES] = "fsdp2"
-    model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m
-    tp: int = 1  # tensor-parallel size (tp_pp, tp_sp, megatron)
-    pp: int = 1  # pipeline-parallel size (tp_pp, megatron); dp = world / (tp x pp)
+    model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m; tiny-moe (ep)
+    tp: int = 1  # tensor-parallel size (tp_pp, tp_sp, ep, megatron)
+    pp: int = 1  # pipeline-parallel size (tp_pp, ep, megatron); dp = world / (tp x pp)
+    ep: int = 1  # expert-parallel size (ep): each MoE layer's experts over ep of the dp ranks
     # activation recomputation, dtl.model's set_recompute: none | selective | full
     recompute: Recompute = "none"
     micro_batch_size: int = 2  # sequences per micro-batch per DP rank
@@ -134,6 +141,19 @@ class Config:
     def accum(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def forwards(self) -> int:
+        """Forward passes per step over all ranks: an MoE's load-balancing loss counts the
+        tokens of one (its one-process reference runs the same slices)."""
+        return self.global_batch_size // self.micro_batch_size
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
+
+    def grid(self) -> ParallelGrid:
+        """The run's grid (collective: builds its groups); with ep > 1 an ep axis inside dp."""
+        return grid_for(self.layout())
+
     def recipe(self) -> Recipe:
         return Recipe(
             lr=self.lr,
@@ -144,6 +164,26 @@ class Config:
             clip=self.clip,
             precision=self.runs_precision,
         )
+
+    def _check_experts(self, kind: type[Strategy]) -> None:
+        """An MoE model goes with a strategy that has experts, and its ep fits (day 22's rules)."""
+        err, moe = dtl_config.ConfigError, self.model_config().moe
+        if self.ep > 1 and not kind.experts:
+            raise err(f"--ep is for {', '.join(EXPERTS)}, not {self.strategy}")
+        if kind.experts and moe is None:
+            raise err(
+                f"{self.strategy} trains a mixture of experts; {self.model} is dense "
+                f"(use --model=tiny-moe)"
+            )
+        if moe is not None and not kind.experts:
+            raise err(
+                f"{self.model} is a mixture of experts: train it with --strategy="
+                f"{' or '.join(EXPERTS)}"
+            )
+        try:
+            check_experts(self.layout(), self.model_config())
+        except LayoutError as e:
+            raise err(str(e)) from None
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
@@ -174,6 +214,7 @@ class Config:
                 f"strategy {self.strategy} with tp {self.tp} x pp {self.pp} does not fit "
                 f"{self.world} ranks (world = tp x pp x dp)"
             )
+        self._check_experts(kind)
         rows = self.micro_batch_size * self.dp
         if self.global_batch_size % rows:
             raise err(
@@ -286,12 +327,14 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         peak_flops_per_device=peak,
         n_devices=info.world_size,
     )
+    # the ranks that read other rows: dp, and ep inside it (tp and pp ranks share theirs)
+    reader, readers = data_rank(grid)
     loader = shards.step_loader(
         train,
         seq_len=cfg.seq_len,
         rows=cfg.micro_batch_size * cfg.accum,
-        dp_rank=grid.dp_rank,
-        dp_size=grid.dp_size,
+        dp_rank=reader,
+        dp_size=readers,
         seed=cfg.seed,
         start_step=start,
         steps=cfg.stop_at or cfg.steps,
@@ -372,6 +415,7 @@ def reference(cfg: Config, train) -> tuple[list[float], dict, list[float]]:
         clip_grad=r.clip or None,
         grad_norms=norms,
         lr_at=lambda step: lr_at(step, r),
+        slices=cfg.forwards if cfg.model_config().moe else 1,  # one aux loss per forward
     )
     return losses, dict(gpt.named_parameters()), norms
 
@@ -432,7 +476,7 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
     info = dtl_dist.init()
-    grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    grid = cfg.grid()
     dtl_config.save(cfg, cfg.out_dir, argv)
     dtl_dist.print0(
         f"grid: {grid}; {cfg.accum} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} "

@@ -3,14 +3,17 @@ its model state is what fit.py predicts; the data pipeline feeds the rows dtl.da
 
 The strategies come from strategies.REGISTRY. 2-rank spawns run the data-parallel ones, torch's
 (ddp, fsdp2) in one and DeepSpeed's (zero2, zero3) in another; 4-rank spawns run the
-model-parallel ones, the course's tp_pp at tp 2 x pp 2 and tp_sp at tp 2 x dp 2 with full
-activation recomputation in one, megatron at tp 2 x pp 2 in another. Each trains the 8 steps
+model-parallel ones, the course's tp_pp at tp 2 x pp 2, tp_sp at tp 2 x dp 2 with full
+activation recomputation and ep (tiny-moe) at ep 2 x dp 2, recomputed too, in one, megatron at tp 2 x pp 2 in
+another. Each trains the 8 steps
 whole; every strategy with checkpoints (all but megatron) trains them again, in a spawn of its
 own, cut in two (stop after step 4 with a checkpoint, resume in a fresh strategy, finish). A
 resumed run equal to one process over all 8 steps is an exact resume: any state lost at the cut
 shows in steps 5-8. The tests of a library's strategies skip without its extra; the others need
-none. Reference: the dtl GPT in one process, the recipe's AdamW (0.9, 0.95), decay on matrices,
-clipping at 1.0 and the warm-up + cosine schedule, on the same global batches. Tolerances:
+none. Reference: the dtl GPT in one process (tiny-moe's: one forward per micro-batch of the
+global batch, each with its own load-balancing loss, as the ranks run them), the recipe's AdamW
+(0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up + cosine schedule, on the same
+global batches. Tolerances:
 losses rtol 1e-5 (measured ~1e-7), parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
@@ -28,20 +31,30 @@ from day28_gpt125m.strategies import REGISTRY
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.data import DataError, get_batch
-from dtl.grid import ParallelGrid
 from dtl.model import GPT, num_params, preset
 from dtl.testing import needs_extras, run_distributed, script_error
 
 STEPS, CUT = 8, 4
-RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints]
+# tp_sp saves through tp_pp's Checkpointer the same parameters and state (SP keeps no state of
+# its own): its resume is tp_pp's, tested once
+RESUME_AS = {"tp_sp": "tp_pp"}
+RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints and n not in RESUME_AS]
 
 
-def _sizes(strategy) -> tuple[int, int]:
-    """(tp, pp) of a strategy's test run on its world: 2 x 2, or tp 2 x dp 2 without a pipeline."""
+def _sizes(strategy) -> tuple[int, int, int]:
+    """(tp, pp, ep) of a strategy's test run on its world: tp 2 x pp 2, tp 2 x dp 2 without a
+    pipeline, ep 2 x dp 2 with experts (dense gradients averaged over all 4 ranks, an expert's
+    over its 2 copies, the batch read at 4 data ranks)."""
     kind = REGISTRY[strategy]
+    if kind.experts:
+        return 1, 1, 2
     if not kind.model_parallel:
-        return 1, 1
-    return 2, 2 if kind.pipelines else 1
+        return 1, 1, 1
+    return 2, 2 if kind.pipelines else 1, 1
+
+
+def _model(strategy) -> str:
+    return "tiny-moe" if REGISTRY[strategy].experts else "tiny"
 
 
 def _world(strategy) -> int:
@@ -58,20 +71,23 @@ def _cases(*, model_parallel=None, libraries=None, measured=False, resumable=Fal
         if model_parallel in (None, kind.model_parallel)
         and libraries in (None, bool(kind.extras))
         and (kind.measures_state or not measured)
-        and (not kind.no_checkpoints or not resumable)
+        and (n in RESUMABLE or not resumable)
     ]
 
 
-# tp_sp trains with full recomputation: SP's all-gathers and reduce-scatters rerun in backward
-RECOMPUTE = {"tp_sp": "full"}
+# tp_sp and ep train with full recomputation: SP's all-gathers and reduce-scatters, and the
+# experts' all-to-alls (their split sizes too), rerun in backward
+RECOMPUTE = {"tp_sp": "full", "ep": "full"}
 
 
 def _config(strategy, tmp, **kw) -> train.Config:
-    tp, pp = _sizes(strategy)
+    tp, pp, ep = _sizes(strategy)
     cfg = train.Config(
         strategy=strategy,
+        model=_model(strategy),
         tp=tp,
         pp=pp,
+        ep=ep,
         steps=STEPS,
         check=False,
         sample_tokens=0,
@@ -95,13 +111,13 @@ def _runs(tmp, strategies, resumed: bool):
         if resumed:
             ckpt = os.path.join(tmp, f"ck-{name}")
             cut = _config(name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
-            grid = ParallelGrid(tp=cut.tp, pp=cut.pp, dp=cut.dp)
+            grid = cut.grid()
             first = train.run(cut, info, grid)
             r = train.run(_config(name, tmp, resume=True, ckpt_dir=ckpt), info, grid)
             losses, norms = first["losses"] + r["losses"], first["norms"] + r["norms"]
         else:
             cfg = _config(name, tmp)
-            grid = ParallelGrid(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+            grid = cfg.grid()
             r = train.run(cfg, info, grid)
             losses, norms = r["losses"], r["norms"]
         out[name] = dict(
@@ -139,18 +155,31 @@ def _ranks(name, tmp_path_factory, resumed: bool = False) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("d28ref"))
-    cfg = train.Config(steps=STEPS, data_dir=os.path.join(tmp, "data"))
+def train_tokens(tmp_path_factory):
+    """The training shards every run reads, as the references read them."""
     from dtl.data import load_corpus
 
-    corpus = load_corpus(tokenizer="byte")
-    shards.write_shards(corpus.train, os.path.join(tmp, "train"))
-    return train.reference(cfg, shards.ShardedTokens(os.path.join(tmp, "train")))
+    folder = os.path.join(str(tmp_path_factory.mktemp("d28ref")), "train")
+    shards.write_shards(load_corpus(tokenizer="byte").train, folder)
+    return shards.ShardedTokens(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(train_tokens):
+    """strategy -> the one-process run of its model (tiny or tiny-moe), each computed once."""
+    runs: dict = {}
+
+    def of(strategy):
+        model = _model(strategy)
+        if model not in runs:
+            runs[model] = train.reference(train.Config(model=model, steps=STEPS), train_tokens)
+        return runs[model]
+
+    return of
 
 
 def _check(run, reference, name):
-    ref_losses, ref_params, ref_norms = reference
+    ref_losses, ref_params, ref_norms = reference(name)
     torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=0, msg=name)
     # clipping at 1.0 rescales every step's gradient and Adam is scale-invariant: a gradient off
     # by a constant factor leaves losses and parameters alone; the norm before clipping shows it
@@ -163,15 +192,15 @@ def _check(run, reference, name):
 def _check_state(ranks, name):
     """Every rank's measured model state is its stage's prediction, to the byte; the fullest
     rank's is what fit.py sizes the run by."""
-    tp, pp, world = *_sizes(name), _world(name)
+    (tp, pp, ep), world, m = _sizes(name), _world(name), preset(_model(name))
     for rank, run in enumerate(ranks):  # every rank: the last pipeline stage holds the head
         got = sum(run["state"].values())
         want = REGISTRY[name].predicted_rank_state(
-            preset("tiny"), world=world, tp=tp, pp=pp, pp_rank=run["pp_rank"]
+            m, world=world, tp=tp, pp=pp, ep=ep, pp_rank=run["pp_rank"]
         )
         assert got == want, f"{name} rank {rank}: {got:,} vs {want:,.0f}"  # to the byte
     fullest = max(sum(r["state"].values()) for r in ranks)  # what fit.py sizes by
-    want = fit.predicted_bytes(preset("tiny"), name, world=world, tp=tp, pp=pp)["resident"]
+    want = fit.predicted_bytes(m, name, world=world, tp=tp, pp=pp, ep=ep)["resident"]
     assert fullest == want, f"{name}: fullest {fullest:,} vs {want:,.0f}"
 
 
@@ -190,6 +219,21 @@ def test_deepspeed_and_megatron_core_strategies_train_like_one_process(
     reference, name, tmp_path_factory
 ):
     _check(_ranks(name, tmp_path_factory)[0], reference, name)
+
+
+def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train(
+    tmp_path_factory, reference, train_tokens
+):
+    """The ranks' load-balancing losses count one micro-batch's tokens each: a reference that runs
+    the global batch in one forward (one aux loss over all its tokens) trains another model, and
+    the ep run fails against it: the slices are what makes the match."""
+    (name,) = [n for n, kind in REGISTRY.items() if kind.experts]
+    run = _ranks(name, tmp_path_factory)[0]
+    _check(run, reference, name)
+    whole = train.Config(model=_model(name), steps=STEPS, global_batch_size=8, micro_batch_size=8)
+    one_forward = train.reference(whole, train_tokens)  # forwards = 1: one aux loss per step
+    with pytest.raises(AssertionError):
+        _check(run, lambda _: one_forward, name)
 
 
 @pytest.mark.parametrize("name", _cases(resumable=True))
@@ -216,7 +260,9 @@ def test_measured_state_on_deepspeed_and_megatron_core_is_the_prediction(name, t
 def test_the_registry_lists_every_strategy_in_the_notes_order():
     """strategies.py imports one module per family for its @register: REGISTRY, --help and
     fit.check's hint list the strategies in the order the notes give them."""
-    assert list(REGISTRY) == ["ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "megatron"]
+    assert list(REGISTRY) == [
+        *("ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "ep", "megatron")
+    ]
 
 
 # --- the data pipeline -------------------------------------------------------------------------
@@ -305,7 +351,16 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
     [
         (["--strategy=tp_pp", "--tp=3"], "4", "tp 3 x pp 1 does not fit 4 ranks"),
         (["--global_batch_size=6"], "4", "global batch 6 is not divisible by micro-batch 2 x dp 4"),
-        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp, tp_sp, megatron, not ddp"),
+        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp, tp_sp, ep, megatron, not"),
+        (["--strategy=tp_pp", "--ep=2"], "4", "--ep is for ep, not tp_pp"),
+        (["--strategy=ep", "--ep=2"], "4", "ep trains a mixture of experts; tiny is dense"),
+        (
+            ["--model=tiny-moe"],
+            "2",
+            "tiny-moe is a mixture of experts: train it with --strategy=ep",
+        ),
+        (["--strategy=ep", "--model=tiny-moe", "--ep=3"], "6", "4 experts do not split over ep 3"),
+        (["--strategy=ep", "--model=tiny-moe", "--ep=4", "--tp=2"], "4", "ep 4 must divide dp 2"),
         (["--strategy=tp_sp", "--tp=2", "--pp=2"], "4", "tp_sp runs without a pipeline (pp = 1)"),
         (["--strategy=tp_sp"], "4", "tp_sp needs --tp > 1"),
         (["--strategy=zero3", "--recompute=full"], "2", "--recompute is not wired for DeepSpeed"),
