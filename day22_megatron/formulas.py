@@ -85,15 +85,21 @@ def ep_bytes(cfg: GPTConfig, rows_sent: int, rows_received: int, calls: int) -> 
 
 
 def state_bytes(
-    cfg: GPTConfig, lay: Layout, pp_rank: int, distributed_optimizer: bool = False
+    cfg: GPTConfig,
+    lay: Layout,
+    pp_rank: int,
+    distributed_optimizer: bool = False,
+    padding: int = 0,
 ) -> dict[str, float]:
-    """params / grads / optimizer bytes on one rank, fp32 training with Adam."""
+    """params / grads / optimizer bytes on one rank, fp32 training with Adam. With the
+    distributed optimizer (ZeRO-1) Adam's m and v are sliced over dp x cp; `padding`: the
+    elements its flat buffers add to reach multiples of dp x cp (fewer than dp x cp each)."""
     P = params_per_rank(cfg, lay, pp_rank)
     shards = lay.dp * lay.cp if distributed_optimizer else 1
     return {
         "params": FP32 * P,
         "grads": FP32 * P,
-        "optim": ADAM_STATES * FP32 * P / shards,
+        "optim": ADAM_STATES * FP32 * (P + padding) / shards,
     }
 
 
@@ -106,9 +112,13 @@ def comm_bytes(
     microbatches: int,
     seq_len: int,
     sp: bool = False,
+    distributed_optimizer: bool = False,
+    padding: int = 0,
 ) -> dict[str, float]:
     """Bytes one rank sends in one training step along each axis (ring-equivalent: what a
-    bandwidth-optimal ring sends per rank, as dtl.comm.CommCounter.ring_bytes_per_rank)."""
+    bandwidth-optimal ring sends per rank, as dtl.comm.CommCounter.ring_bytes_per_rank). With
+    the distributed optimizer the gradients are reduce-scattered and the weights all-gathered,
+    `padding` included: the all-reduce's bytes again; its norm is all-reduced over every rank."""
     b, m, C, e = micro_batch_size, microbatches, cfg.n_embd, FP32
     s_rank = seq_len // lay.cp  # the tokens of one row this rank holds
     tok = b * s_rank
@@ -133,12 +143,13 @@ def comm_bytes(
             out["pp"] += ring_bytes(cfg.vocab_size * C // lay.tp, e, 2)
     experts = expert_params(cfg, lay, pp_rank)  # averaged over their copies only
     dense = params_per_rank(cfg, lay, pp_rank) - experts
-    out["dp"] = ring_bytes(dense, e, lay.dp * lay.cp) + ring_bytes(
+    out["dp"] = ring_bytes(dense + padding, e, lay.dp * lay.cp) + ring_bytes(
         experts, e, lay.dp // lay.ep * lay.cp
-    )
+    )  # ZeRO-1: reduce-scatter + all-gather = 2 (d-1)/d, the all-reduce's ring bytes
     # clipping: the squared norm's shares, one fp64 scalar all-reduced over tp x pp (x ep:
-    # other experts)
-    out["norm"] = ring_bytes(1, 8, lay.tp * lay.pp * lay.ep)
+    # other experts); over every rank under ZeRO-1, whose dp ranks hold other slices
+    norm_ranks = lay.world if distributed_optimizer else lay.tp * lay.pp * lay.ep
+    out["norm"] = ring_bytes(1, 8, norm_ranks)
     return out
 
 

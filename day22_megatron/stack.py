@@ -21,6 +21,8 @@ The order and what each step leaves for the next:
     5. DP                  every gradient averaged over the axes its parameter's record names
                            (dp x cp, and ep for all but the experts), once per step, after the
                            last backward
+       ZeRO-1 (distopt.py)  optional (`distributed_optimizer`): the same axes, but each gradient
+                           reduce-scattered, AdamW on this rank's slice, the weights all-gathered
 The reduction table (dtl.reduction, `stack.reduction`) says, parameter by parameter, which grid
 axes hold its replicas, its pieces, its stages and (for an expert) the ranks routing to it: the
 DP average, the global norm and the full state read it, never a parameter's name.
@@ -41,6 +43,7 @@ from day19_tp.tp import apply_tp, full_tensors, tp_loss
 from day20_pp.pipeline import Pipeline, apply_pp, stage_parameters
 from day21_sp_cp.cp import apply_cp, check_cp, cp_batch
 from day21_sp_cp.sp import apply_sp
+from day22_megatron.distopt import DistributedOptimizer
 from day22_megatron.ep import EP_AXES, EP_AXIS, EP_COMBOS, apply_ep
 from day22_megatron.layouts import Layout, LayoutError, check_experts
 from dtl import profile as dtl_profile
@@ -66,7 +69,7 @@ class Stack:
     params: list  # this rank's parameters, each once
     named: dict  # one-process name -> parameter, this rank's (a tied lm_head under its name)
     loss: Callable  # (logits, targets) -> mean loss: vocab-parallel under TP
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer  # ZeRO-1: distopt.py
     reduction: ReductionTable  # name -> the grid axes of its replicas, pieces and stages
     record: object = None  # the pipeline's StepRecord of the last step (spans, in-flight)
 
@@ -109,9 +112,12 @@ def build_stack(
     optim: OptimConfig = MEGATRON_ADAMW,
     device="cpu",
     recompute: str = "none",
+    distributed_optimizer: bool = False,
 ) -> Stack:
     sizes = dict(tp=grid.tp_size, pp=grid.pp_size, cp=grid.cp_size)
     check_stack(cfg, **sizes, seq_len=seq_len, attn=attn, sp=sp)
+    if distributed_optimizer and cfg.moe is not None:
+        raise LayoutError("the distributed optimizer runs on dense models here (no experts)")
     gpt = GPT(cfg, seed=seed)
     gpt.set_recompute(recompute)  # dtl.model: every block, so every stage's copy of it
     if next(gpt.parameters()).device != torch.device(device):
@@ -140,7 +146,11 @@ def build_stack(
     else:
         named = dict(gpt.named_parameters(remove_duplicate=False))
         params = list(gpt.parameters())
-    optimizer = optim.make(params)
+    optimizer = (
+        DistributedOptimizer(named, reduction, grid, optim)  # ZeRO-1: Adam's state sliced
+        if distributed_optimizer
+        else optim.make(params)
+    )
     return Stack(grid, gpt, pipeline, params, named, loss, optimizer, reduction)
 
 
@@ -177,6 +187,8 @@ def sync_gradients(stack: Stack) -> int:
     the axes its record names (dp x cp, CP ranks saw other parts of the same rows; and ep for
     every parameter but the experts, whose sum is divided by their routed axes too); one
     all-reduce per set of axes. Returns the bytes reduced."""
+    if isinstance(stack.optimizer, DistributedOptimizer):  # ZeRO-1: slices, not replicas
+        return stack.optimizer.reduce_scatter_gradients()
     groups = stack.reduction.average_groups(stack.named)  # axes -> this rank's parameters
     table, grid = stack.reduction, stack.grid
     return sum(
@@ -228,6 +240,8 @@ def global_grad_norm(stack: Stack) -> float:
 @torch.no_grad()
 def clip_gradients(stack: Stack, max_norm: float | None) -> float:
     """torch.nn.utils.clip_grad_norm_'s rule on the global norm; returns the norm before."""
+    if isinstance(stack.optimizer, DistributedOptimizer):  # the norm of the reduced slices
+        return stack.optimizer.clip(max_norm)
     norm = global_grad_norm(stack)
     if max_norm:
         coef = max_norm / (norm + 1e-6)

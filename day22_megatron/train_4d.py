@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from day21_sp_cp.cp import ATTENTION, CPError
 from day22_megatron import formulas, layouts
+from day22_megatron.distopt import DistributedOptimizer
 from day22_megatron.ep import EP_AXIS, data_rank, take_traffic
 from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
@@ -84,6 +85,8 @@ class Config:
     eps: float = 1e-8  # AdamW epsilon
     seed: int = 0  # model init and batches
     check: bool = True  # rank 0 trains the dense model in one process and compares
+    # ZeRO-1 as Megatron's --use-distributed-optimizer: Adam's m and v sliced over dp x cp
+    distributed_optimizer: bool = False
     out_dir: str = ""  # empty: outputs/day22_megatron/ours-tp<t>-pp<p>[-vpp<v>][-cp<c>]-dp<d>
 
     @property
@@ -154,8 +157,14 @@ def axis_groups(stack) -> dict[str, list]:
         "pp": pp,
         # the DP average and the clip's global norm: the groups the reduction table names
         "dp": [grid.group(*axes) for axes in stack.reduction.average_axes],
-        "norm": [grid.group(*stack.reduction.norm_axes)],
+        "norm": [grid.group(*stack.reduction.norm_axes)]
+        + ([dist.group.WORLD] if isinstance(stack.optimizer, DistributedOptimizer) else []),
     }
+
+
+def zero1_padding(stack) -> int:
+    """The elements ZeRO-1's flat buffers add (0 without it): its formulas' `padding`."""
+    return stack.optimizer.padding if isinstance(stack.optimizer, DistributedOptimizer) else 0
 
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
@@ -165,7 +174,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         mcfg, grid, micro_batch_size=cfg.micro_batch_size, microbatches=cfg.microbatches,
         seq_len=cfg.seq_len, schedule="interleaved" if cfg.chunks > 1 else "1f1b",
         chunks=cfg.chunks, attn=cfg.attn, sp=cfg.sp, seed=cfg.seed, optim=cfg.optim,
-        device=info.device,
+        device=info.device, distributed_optimizer=cfg.distributed_optimizer,
     )  # fmt: skip
     groups = axis_groups(stack)
     log = StepLogger(cfg.out_dir, cfg.steps, tokens_per_step=cfg.global_batch_size * cfg.seq_len)
@@ -181,8 +190,8 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
                 t_fb = time.perf_counter() - t0
                 sync_gradients(stack)
                 norms.append(clip_gradients(stack, cfg.clip_grad or None))
-            with dtl_profile.range(dtl_profile.OPTIMIZER):
-                stack.optimizer.step()
+                with dtl_profile.range(dtl_profile.OPTIMIZER):
+                    stack.optimizer.step()  # ZeRO-1: the weights all-gathered in here
         state = stack_state_bytes(stack)
         stack.optimizer.zero_grad(set_to_none=True)
         dtl_dist.synchronize(info.device)
@@ -207,17 +216,19 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     return dict(
         stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
         state=state, corpus=corpus, full=full_state(stack), device=info.device,
-        traffic=traffic, all_to_all=a2a,
+        traffic=traffic, all_to_all=a2a, padding=zero1_padding(stack),
     )  # fmt: skip
 
 
 def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[list[str], bool]:
     """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
     lay, mcfg = cfg.layout, cfg.model_config()
-    want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank)
+    zero1, pad = cfg.distributed_optimizer, result["padding"]
+    want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank, zero1, pad)
     want_comm = formulas.comm_bytes(
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
         microbatches=cfg.microbatches, seq_len=cfg.seq_len, sp=cfg.sp,
+        distributed_optimizer=zero1, padding=pad,
     )  # fmt: skip
     t = result["traffic"]  # the rows the routing sent and received, per the dispatchers
     data = formulas.ep_bytes(mcfg, t.rows_sent, t.rows_received, t.calls) if lay.ep > 1 else 0

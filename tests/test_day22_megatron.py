@@ -25,7 +25,15 @@ import pytest
 import torch
 
 import dtl.megatron as dm
-from day22_megatron import formulas, layouts, megatron_gpt, stack, train_4d, train_megatron
+from day22_megatron import (
+    distopt,
+    formulas,
+    layouts,
+    megatron_gpt,
+    stack,
+    train_4d,
+    train_megatron,
+)
 from day22_megatron.ep import EP_AXES
 from day22_megatron.megatron_gpt import from_megatron, to_megatron
 from dtl import config as dtl_config
@@ -62,8 +70,19 @@ OUR_GRIDS_4 = {  # name -> train_4d flags (world 4)
     "cp2-tp2": dict(cp=2, tp=2),
     "dp2-pp2-vpp2": dict(pp=2, chunks=2),
     "dp2-tp2-sp": dict(tp=2, sp=True),
+    # ZeRO-1 (distopt.py): Adam's m and v sliced over dp, gradients reduce-scattered
+    "dp2-tp2-zero1": dict(tp=2, distributed_optimizer=True),
+    "dp2-pp2-zero1": dict(pp=2, distributed_optimizer=True),
 }
-OUR_GRIDS_8 = {"dp2-pp2-tp2": dict(tp=2, pp=2)}
+OUR_GRIDS_8 = {
+    "dp2-pp2-tp2": dict(tp=2, pp=2),
+    "dp2-pp2-tp2-zero1": dict(tp=2, pp=2, distributed_optimizer=True),
+}
+# ZeRO-1 with a bug planted (run in the 4-rank spawn): each must fail the one-process check
+ZERO1_PLANTS = {
+    "zero1: slices summed, not averaged": dict(tp=2, distributed_optimizer=True),
+    "zero1: replicas counted on every tp rank": dict(tp=2, distributed_optimizer=True),
+}
 COMMON = dict(model="tiny", num_layers=4, global_batch_size=GBS, micro_batch_size=1)
 
 
@@ -184,6 +203,22 @@ def test_converter_round_trips_exactly_and_interleaves_qkv_per_head():
 # --- our 4-D stack -----------------------------------------------------------------------------
 
 
+def _planted(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant the ZeRO-1 bug a ZERO1_PLANTS name describes (none for the other names)."""
+    if name == "zero1: slices summed, not averaged":
+        true = distopt.DistributedOptimizer.reduce_scatter_gradients
+
+        def summed(self):
+            sent = true(self)
+            for g in self.groups:
+                g.shard.grad.mul_(g.size)  # the division by d undone
+            return sent
+
+        monkeypatch.setattr(distopt.DistributedOptimizer, "reduce_scatter_gradients", summed)
+    if name == "zero1: replicas counted on every tp rank":
+        monkeypatch.setattr(distopt, "counts_in_norm", lambda record, grid: True)
+
+
 def _our_body(tmp, grids):
     info = dtl_dist.init()
     out = {}
@@ -193,7 +228,9 @@ def _our_body(tmp, grids):
         cfg.validate()
         lay = cfg.layout
         grid = ParallelGrid(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp)
-        r = train_4d.run(cfg, info, grid)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _planted(name, monkeypatch)
+            r = train_4d.run(cfg, info, grid)
         _, exact = train_4d.measured_vs_formula(cfg, grid, r)
         out[name] = dict(
             losses=r["losses"], norms=r["norms"], full=r["full"], exact=exact,
@@ -232,12 +269,20 @@ def test_our_4d_stack_equals_one_process_at_4_ranks(our_results_4, name):
 @pytest.fixture(scope="module")
 def our_results_4(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ours4"))
-    return run_distributed(_our_body, tmp, OUR_GRIDS_4, world_size=4, timeout_s=240)
+    grids = {**OUR_GRIDS_4, **ZERO1_PLANTS}
+    return run_distributed(_our_body, tmp, grids, world_size=4, timeout_s=240)
+
+
+@pytest.mark.parametrize("name", list(ZERO1_PLANTS))
+def test_a_planted_zero1_bug_fails_the_one_process_check(our_results_4, name):
+    with pytest.raises(AssertionError):
+        _check_run(name, our_results_4[0][name], _reference())
 
 
 def test_our_4d_stack_dp2_pp2_tp2_equals_one_process_at_8_ranks(tmp_path):
     per_rank = run_distributed(_our_body, str(tmp_path), OUR_GRIDS_8, world_size=8, timeout_s=240)
-    _check_ours("dp2-pp2-tp2", per_rank[0]["dp2-pp2-tp2"])
+    for name in OUR_GRIDS_8:  # plain, and with ZeRO-1 (Megatron's distributed optimizer)
+        _check_ours(name, per_rank[0][name])
 
 
 def test_grad_norm_counts_each_tensor_once():
