@@ -5,7 +5,9 @@ by hand (the graded exercises' first graders); the launch scripts' flags; bad in
 megatron-core tests carry needs_extras("megatron"); the rest run without it.
 
 One spawn per world size: 4 ranks run every megatron-core layout in turn (parallel_state built
-and destroyed per layout), 4 ranks every 4-D grid, 8 ranks the (dp 2, pp 2, tp 2) grid, 2 ranks
+and destroyed per layout), 4 ranks every 4-D grid (two with ZeRO-1, distopt.py, and two with a
+ZeRO-1 bug planted, which must fail), 8 ranks the (dp 2, pp 2, tp 2) grid with and without
+ZeRO-1, 2 ranks
 the gradient norms of hand-cut shards; one more (4 ranks) runs SP's mutation.
 
 Reference: the dtl GPT in one process on the same global batches, torch's AdamW with Megatron's
