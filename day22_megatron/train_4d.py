@@ -162,9 +162,11 @@ def axis_groups(stack) -> dict[str, list]:
     }
 
 
-def zero1_padding(stack) -> int:
-    """The elements ZeRO-1's flat buffers add (0 without it): its formulas' `padding`."""
-    return stack.optimizer.padding if isinstance(stack.optimizer, DistributedOptimizer) else 0
+def zero1_flats(stack) -> tuple[int, int]:
+    """(the elements ZeRO-1's flat buffers add, how many flats): (0, 0) without it. The padding
+    is its formulas' `padding`."""
+    opt = stack.optimizer
+    return (opt.padding, len(opt.groups)) if isinstance(opt, DistributedOptimizer) else (0, 0)
 
 
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
@@ -216,14 +218,14 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     return dict(
         stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
         state=state, corpus=corpus, full=full_state(stack), device=info.device,
-        traffic=traffic, all_to_all=a2a, padding=zero1_padding(stack),
+        traffic=traffic, all_to_all=a2a, zero1=zero1_flats(stack),
     )  # fmt: skip
 
 
 def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[list[str], bool]:
     """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
     lay, mcfg = cfg.layout, cfg.model_config()
-    zero1, pad = cfg.distributed_optimizer, result["padding"]
+    zero1, (pad, flats) = cfg.distributed_optimizer, result["zero1"]
     want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank, zero1, pad)
     want_comm = formulas.comm_bytes(
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
@@ -242,6 +244,13 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         f"  {k:<7}{got[k] / MB:>12.3f}{want[k] / MB:>12.3f}  {'exact' if exact[k] else 'MISMATCH'}"
         for k in want
     ]
+    if zero1:  # the padding the formulas were given, within its rule: fewer than d per flat
+        d = lay.dp * lay.cp
+        exact["padding"] = pad < d * flats
+        lines.append(
+            f"  ZeRO-1: Adam's m and v sliced over d = {d} ranks; {flats} flats padded by {pad} "
+            f"elements in all (fewer than d each: {'yes' if exact['padding'] else 'NO'})"
+        )
     if lay.ep > 1:  # the all-to-alls' data (S of every call), against the rows' formula
         exact["all-to-all"] = matches_formula(result["all_to_all"], data)
         lines.append(
