@@ -40,6 +40,7 @@ import torch
 
 from day18_zero.formulas import comm_bytes_per_rank
 from day22_megatron import formulas, planner
+from day22_megatron.distopt import DistributedOptimizer
 from day22_megatron.layouts import VOCAB_MULTIPLE, Layout
 from day22_megatron.planner import BF16
 from day22_megatron.stack import build_stack, forward_backward, stack_state_bytes, sync_gradients
@@ -72,21 +73,25 @@ def fullest_stage(cfg, lay: Layout) -> int:
     return max(range(lay.pp), key=lambda r: formulas.params_per_rank(cfg, lay, r))
 
 
-def simulate(cfg, lay: Layout, b: int, k: int, stage: int) -> dict:
+def simulate(
+    cfg, lay: Layout, b: int, k: int, stage: int, distributed_optimizer: bool = False
+) -> dict:
     """TP rank 0, DP rank 0 of pipeline stage `stage`, simulated: what `measure` reads there."""
     rank = stage * (lay.world // lay.pp)  # ParallelGrid: pp outermost, then dp, cp, tp
     with fake_world(lay.world, rank):
-        return measure(cfg, lay, b, k)
+        return measure(cfg, lay, b, k, distributed_optimizer)
 
 
-def measure(cfg, lay: Layout, b: int, k: int) -> dict:
+def measure(cfg, lay: Layout, b: int, k: int, distributed_optimizer: bool = False) -> dict:
     """This rank in `lay`: k micro-batches of b sequences through the stack, the DP sync and an
-    optimizer step, in bf16; what it holds and moves. A simulation and a real run share it."""
+    optimizer step, in bf16; what it holds and moves. A simulation and a real run share it.
+    `distributed_optimizer`: ZeRO-1 (distopt.py); `padding` is what its flats add (0 without)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast in place: made so
     try:
         grid = ParallelGrid(tp=lay.tp, pp=lay.pp, dp=lay.dp)
-        stack = build_stack(cfg, grid, micro_batch_size=b, microbatches=k, seq_len=cfg.block_size)
+        stack = build_stack(cfg, grid, micro_batch_size=b, microbatches=k, seq_len=cfg.block_size,
+                            distributed_optimizer=distributed_optimizer)  # fmt: skip
     finally:
         torch.set_default_dtype(default)
     x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size + 1), device=stack.params[0].device)
@@ -94,13 +99,16 @@ def measure(cfg, lay: Layout, b: int, k: int) -> dict:
         forward_backward(stack, [(x[:, :-1], x[:, 1:])] * k)
     with CommCounter() as dp_comm:
         sync_gradients(stack)
-    stack.optimizer.step()  # Adam's m and v exist from here
+        stack.optimizer.step()  # Adam's m and v exist from here; ZeRO-1's all-gather is in it
+    opt = stack.optimizer
     return dict(
         params=sum(p.numel() for p in stack.params),
         tp=comm.ring_bytes_on(grid.tp_group) / k if lay.tp > 1 else 0.0,
         pp=(comm.bytes["send"] + comm.bytes["recv"]) / k,
         dp=dp_comm.ring_bytes_per_rank(),
         state=sum(stack_state_bytes(stack).values()),
+        padding=opt.padding if isinstance(opt, DistributedOptimizer) else 0,
+        flats=len(opt.groups) if isinstance(opt, DistributedOptimizer) else 0,
     )
 
 
