@@ -42,7 +42,8 @@ def hsdp_mesh(replicas: int, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if replicas < 1 or world % replicas:
         raise ValueError(f"{replicas} replicas do not split {world} ranks into equal shard groups")
-    ranks = torch.arange(world).view(replicas, world // replicas)  # host: a rank table
+    shard = world // replicas
+    ranks = [[g * shard + i for i in range(shard)] for g in range(replicas)]  # a rank table
     return DeviceMesh(device_type, ranks, mesh_dim_names=HSDP_AXES)
 
 
