@@ -43,9 +43,11 @@ class Config:
         unknown = [m for m in self.models.split(",") if m not in planner.MODELS]
         if unknown:
             raise err(f"unknown model {unknown[0]!r}; one of {', '.join(planner.MODELS)}")
-        bad = [n for n in self.ranks.split(",") if not n.isdigit() or int(n) % NODE]
+        bad = [n for n in dtl_config.int_list("ranks", self.ranks) if n % NODE or n < 2 * NODE]
         if bad:
-            raise err(f"ranks {bad[0]!r}: a multiple of {NODE} (one shard group per node)")
+            raise err(f"ranks {bad[0]}: a multiple of {NODE}, two nodes or more")
+        if dtl_dist.launch_world_size() > 1:
+            raise err("hsdp_scale.py runs as one process (--nproc_per_node=1): it simulates")
 
 
 def simulate(cfg, world: int, replicas: int, seq_len: int) -> dict:

@@ -130,6 +130,8 @@ class Config:
                         seq_len=self.seq_len, attn=self.attn, sp=self.sp)  # fmt: skip
         except (layouts.LayoutError, CPError) as e:
             raise err(str(e)) from None
+        if self.distributed_optimizer and self.model_config().moe is not None:
+            raise err("--distributed_optimizer runs on dense models here (no experts)")
         self.out_dir = self.out_dir or f"outputs/day22_megatron/ours-{lay.name(self.sp)}"
 
 

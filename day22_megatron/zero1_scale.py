@@ -39,16 +39,15 @@ class Config:
     micro_batches: int = 2  # per step, micro-batch 1
 
     def validate(self) -> None:
+        err = dtl_config.ConfigError
         unknown = [m for m in self.models.split(",") if m not in planner.MODELS]
         if unknown:
-            raise dtl_config.ConfigError(
-                f"unknown model {unknown[0]!r}; one of {', '.join(planner.MODELS)}"
-            )
-        bad = [n for n in self.ranks.split(",") if not n.isdigit() or int(n) % 4 or int(n) < 8]
+            raise err(f"unknown model {unknown[0]!r}; one of {', '.join(planner.MODELS)}")
+        bad = [n for n in dtl_config.int_list("ranks", self.ranks) if n % 4 or n < 8]
         if bad:
-            raise dtl_config.ConfigError(
-                f"ranks {bad[0]!r}: a multiple of 4, at least 8 (tp 2 x pp 2 x dp)"
-            )
+            raise err(f"ranks {bad[0]}: a multiple of 4, at least 8 (tp 2 x pp 2 x dp)")
+        if dtl_dist.launch_world_size() > 1:
+            raise err("zero1_scale.py runs as one process (--nproc_per_node=1): it simulates")
 
 
 def formula(cfg, lay: Layout, stage: int, padding: int) -> dict[str, float]:

@@ -38,6 +38,27 @@ CASES = {
         (["--gpus=0"], "gpus must be >= 1, got '0'"),
         (["--models=gpt-6.6b", "--gpus=1"], "plan.py finds no layout of gpt-6.6b that fits 1"),
     ],
+    "day22_megatron.zero1_scale": [
+        (["--models=gpt5"], "unknown model 'gpt5'"),
+        (["--ranks=8,x"], "ranks must be comma-separated integers"),
+        (["--ranks=6"], "ranks 6: a multiple of 4, at least 8"),
+        (["--micro_batches=0"], "'micro_batches' must be an integer >= 1"),
+        ([], "zero1_scale.py runs as one process (--nproc_per_node=1)"),
+    ],
+    "day22_megatron.hsdp_scale": [
+        (["--models=gpt5"], "unknown model 'gpt5'"),
+        (["--ranks=64,x"], "ranks must be comma-separated integers"),
+        (["--ranks=12"], "ranks 12: a multiple of 8, two nodes or more"),
+        (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
+        ([], "hsdp_scale.py runs as one process (--nproc_per_node=1)"),
+    ],
+    "day22_megatron.train_hsdp": [
+        (["--replicas=3"], "--replicas=3 does not split 4 ranks into equal shard groups"),
+        (["--replicas=0"], "--replicas=0 does not split 4 ranks"),
+        (["--global_batch_size=6"], "global batch 6 does not split over 4 ranks"),
+        (["--model=nope"], "unknown model 'nope'"),
+        (["--steps=0"], "'steps' must be an integer >= 1"),
+    ],
     "day22_megatron.moe_scale": [
         (["--models=gpt5"], "unknown model(s) ['gpt5']"),
         (["--ns=64,x"], "ns must be comma-separated integers"),
@@ -127,6 +148,7 @@ CASES = {
         (["--ep=2"], "ep 2 needs a model with experts (e.g. --model=tiny-moe)"),
         (["--model=tiny-moe", "--ep=3"], "ep 3 must divide dp 4: the expert ranks are dp ranks"),
         (["--model=tiny-moe", "--cp=2"], "an MoE runs without CP and SP here"),
+        (["--model=tiny-moe", "--distributed_optimizer"], "--distributed_optimizer runs on dense"),
     ],
     "day22_megatron.train_megatron": [
         (["--precision=bf16"], "megatron-core trains bf16 on cuda only"),

@@ -1,77 +1,32 @@
 """Day 22: HSDP (FSDP2 on a 2-D replicate x shard mesh) trains like one process, holds the
 formula's state per rank, and moves the formula's bytes on each axis; a planted mesh fails.
 
-One 4-rank spawn (replicate 2 x shard 2): 3 AdamW steps of `tiny` (clipping at 1.0) against the
-one-process GPT on the same global batches: losses rtol 1e-5, gradient norms rtol 1e-5,
-parameters atol 1e-5. State: counted from the live tensors after the last step, to the byte.
-Bytes: CommCounter on the mesh's two groups during the last step, to the byte.
+One 4-rank spawn runs train_hsdp.run twice: replicate 2 x shard 2, 3 AdamW steps of `tiny`
+(clipping at 1.0) against the one-process GPT on the same global batches (losses rtol 1e-5,
+gradient norms rtol 1e-5, parameters atol 1e-5); its state counted from the live tensors after
+the last step, and the ring bytes of the last step on each mesh axis, equal to hsdp.py's
+formulas on every rank, to the byte. Planted: replicate 4 x shard 1, every rank a replica (an
+all-reduce where the shard axis should reduce-scatter): its state and bytes are not the
+formula's for 2 x 2.
 """
 
 import torch
-import torch.distributed as dist
 
-from day22_megatron import hsdp
+from day22_megatron import hsdp, train_hsdp
 from dtl import dist as dtl_dist
-from dtl.comm import CommCounter
-from dtl.data import get_batch, load_corpus
-from dtl.model import GPT, loss_fn, preset
-from dtl.optim import OptimConfig
-from dtl.reference import one_process_gpt
-from dtl.state import live_state_bytes
 from dtl.testing import run_distributed
-
-STEPS, T, GBS = 3, 16, 8
-ADAMW = OptimConfig(lr=1e-3, weight_decay=0.1, decay="matrices")
-
-
-def _train(replicas: int) -> dict:
-    """HSDP at `replicas` x (world / replicas) ranks: 3 steps, the last one's bytes counted."""
-    mesh = hsdp.hsdp_mesh(replicas, "cpu")
-    gpt = GPT(preset("tiny"), seed=0)
-    shapes, root = [p.shape for p in gpt.parameters()], hsdp.root_shapes(gpt)
-    model = hsdp.apply_hsdp(gpt, mesh)
-    optimizer = ADAMW.make(model.parameters())
-    corpus = load_corpus(tokenizer="byte").train
-    rows = GBS // dist.get_world_size()
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = get_batch(corpus, T, GBS, seed=0, step=step)
-        mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
-        with CommCounter() as comm:
-            loss = loss_fn(model(x[mine]), y[mine])
-            loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
-        optimizer.step()
-        state = live_state_bytes(model.parameters(), optimizer, counters=False)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(dtl_dist.all_reduce_scalar(loss.item(), average=True))
-        norms.append(norm.item())
-    sent = {axis: comm.ring_bytes_on(mesh.get_group(axis)) for axis in hsdp.HSDP_AXES}
-    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    return dict(losses=losses, norms=norms, full=full, state=sum(state.values()), sent=sent,
-                padded=hsdp.padded_numel(shapes, dist.get_world_size() // replicas),
-                root=hsdp.padded_numel(root, dist.get_world_size() // replicas))  # fmt: skip
 
 
 def _runs() -> dict:
     dtl_dist.init()
-    # planted: every rank a replica (shard groups of 1): all-reduce where the shard axis should
-    # reduce-scatter, every rank holding the whole state
-    return {"hsdp": _train(2), "planted": _train(4)}
-
-
-def _one_process():
-    norms: list[float] = []
-    losses, gpt = one_process_gpt(
-        preset("tiny"), load_corpus(tokenizer="byte").train, seq_len=T, rows=GBS, steps=STEPS,
-        lr=1e-3, weight_decay=0.1, clip_grad=1.0, grad_norms=norms,
-    )  # fmt: skip
-    return losses, norms, dict(gpt.named_parameters())
+    cfg = train_hsdp.Config(replicas=2, check=False)
+    planted = train_hsdp.Config(replicas=4, check=False)
+    return {"hsdp": train_hsdp.run(cfg), "planted": train_hsdp.run(planted)}
 
 
 def test_hsdp_trains_like_one_process_and_holds_and_moves_the_formulas_bytes():
     ranks = run_distributed(_runs, world_size=4, timeout_s=180)
-    losses, norms, params = _one_process()
+    losses, params, norms = train_hsdp.one_process(train_hsdp.Config())
     run = ranks[0]["hsdp"]
     torch.testing.assert_close(run["losses"], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(run["norms"], norms, rtol=1e-5, atol=0)
