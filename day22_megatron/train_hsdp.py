@@ -112,6 +112,7 @@ def report(cfg: Config, result: dict) -> bool:
     exact = torch.tensor([float(got == want)])
     dist.all_reduce(exact, op=dist.ReduceOp.MIN)  # every rank's counts, not rank 0's alone
     dtl_dist.print0("rank 0 (MB: state held; ring bytes sent in the last step, per mesh axis):")
+    dtl_dist.print0(f"  {'what':<10}{'measured':>10}{'formula':>10}")
     for key in want:
         dtl_dist.print0(f"  {key:<10}{got[key] / MB:>10.4f}{want[key] / MB:>10.4f}")
     verdict = Verdict.skip("one-process check skipped (check=false)")
