@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from day19_tp.tp_comms import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from dtl.amax_groups import AmaxGroups
@@ -326,12 +327,15 @@ def _unshard(pieces: list[torch.Tensor], style: str, blocks: int, is_bias: bool)
 def full_tensors(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
     """name -> the full (dense-shaped) parameter or gradient, gathered over the TP group:
     collective, every TP rank calls it. Names are the dense model's; a padded vocabulary is
-    cut back to the real one."""
+    cut back to the real one. A parameter FSDP2 shards over dp (a DTensor) is gathered over dp
+    first (collective over dp too)."""
     info: TPInfo = model.tp
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
         t = t.detach()
+        if isinstance(t, DTensor):  # FSDP2 over dp on top of TP: this TP rank's shard, gathered
+            t = t.full_tensor()
         module_name, _, kind = name.rpartition(".")
         shard = tp_shard_of(module_name)
         if shard is None:

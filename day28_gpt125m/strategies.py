@@ -14,11 +14,13 @@
     tp_sp     the same stack with Megatron SP on TP (day 21), pp = 1
     ep        the same stack on an MoE GPT: experts over ep of the dp ranks, tokens by all-to-all
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
+    fsdp2_tp  our TP layers (day 19) over tp, fully_shard over dp: a (dp, tp) mesh, torchtitan's
 
 Each strategy is a class in REGISTRY that says what it supports (model parallelism, --precision,
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it), in a module of
 its family: data_parallel.py (ddp, fsdp2), deepspeed_zero.py (zero2, zero3), model_parallel.py
-(tp_pp, tp_sp, ep, and the Pipelined base they share with megatron), megatron_core.py (megatron).
+(tp_pp, tp_sp, ep, and the Pipelined base they share with megatron), megatron_core.py (megatron),
+sharded_tp.py (fsdp2_tp).
 This module imports them all, so that REGISTRY is complete for whoever imports it here: adding a
 strategy is a class with @register in one of them (or a new module imported below), and the
 config, the fit check and the tests take it from there.
@@ -39,7 +41,13 @@ import torch.distributed as dist
 
 # imported for their @register: REGISTRY lists the strategies in the notes' order (--help,
 # fit.check's hint) because these load in that order, megatron_core after model_parallel (its base)
-from day28_gpt125m import data_parallel, deepspeed_zero, megatron_core, model_parallel  # noqa: F401
+from day28_gpt125m import (  # noqa: F401
+    data_parallel,
+    deepspeed_zero,
+    megatron_core,
+    model_parallel,
+    sharded_tp,
+)
 from day28_gpt125m.strategy import REGISTRY, Setup, Strategy
 from dtl.dist import all_reduce_scalar
 from dtl.grid import ParallelGrid

@@ -23,9 +23,10 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from day28_gpt125m import data as shards
-from day28_gpt125m import fit, train
+from day28_gpt125m import fit, sharded_tp, train
 from day28_gpt125m.recipe import Recipe, lr_at, make_adamw
 from day28_gpt125m.strategies import REGISTRY
 from dtl import config as dtl_config
@@ -236,6 +237,31 @@ def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train
         _check(run, lambda _: one_forward, name)
 
 
+def _fsdp2_tp_all_reduced(tmp):
+    """fsdp2_tp with FSDP2 handed a (dp, 1) mesh: replicate over dp, shard over nothing, so its
+    gradients are all-reduced where they should be reduce-scattered. Every rank's state."""
+    info = dtl_dist.init()
+
+    def all_reduce_mesh(grid, device_type):
+        others = grid.ranks.permute(0, 2, 3, 1).reshape(-1, grid.dp_size, 1)  # (pp cp tp, dp, 1)
+        mesh = DeviceMesh(device_type, others, mesh_dim_names=("others", "dp", "one"))
+        return mesh[("dp", "one")]
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(sharded_tp.FSDP2TP, "dp_mesh", staticmethod(all_reduce_mesh))
+        cfg = train.Config(strategy="fsdp2_tp", tp=2, steps=1, check=False, sample_tokens=0,
+                           workers=0, data_dir=os.path.join(tmp, "data"), out_dir=tmp)  # fmt: skip
+        cfg.validate()
+        r = train.run(cfg, info, cfg.grid())
+    return dict(state=r["state"], pp_rank=0)
+
+
+def test_fsdp2_tp_planted_with_an_all_reduce_on_the_shard_axis_fails_the_state_check(tmp_path):
+    ranks = run_distributed(_fsdp2_tp_all_reduced, str(tmp_path), world_size=4, timeout_s=180)
+    with pytest.raises(AssertionError):
+        _check_state(ranks, "fsdp2_tp")
+
+
 @pytest.mark.parametrize("name", _cases(resumable=True))
 def test_strategies_cut_and_resumed_train_like_one_process(reference, name, tmp_path_factory):
     """An exact resume: any state the checkpoint loses shows in steps 5-8."""
@@ -261,7 +287,7 @@ def test_the_registry_lists_every_strategy_in_the_notes_order():
     """strategies.py imports one module per family for its @register: REGISTRY, --help and
     fit.check's hint list the strategies in the order the notes give them."""
     assert list(REGISTRY) == [
-        *("ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "ep", "megatron")
+        *("ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "ep", "megatron", "fsdp2_tp")
     ]
 
 
@@ -351,7 +377,11 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
     [
         (["--strategy=tp_pp", "--tp=3"], "4", "tp 3 x pp 1 does not fit 4 ranks"),
         (["--global_batch_size=6"], "4", "global batch 6 is not divisible by micro-batch 2 x dp 4"),
-        (["--strategy=ddp", "--tp=2"], "4", "--tp/--pp are for tp_pp, tp_sp, ep, megatron, not"),
+        (
+            ["--strategy=ddp", "--tp=2"],
+            "4",
+            "--tp/--pp are for tp_pp, tp_sp, ep, megatron, fsdp2_tp",
+        ),
         (["--strategy=tp_pp", "--ep=2"], "4", "--ep is for ep, not tp_pp"),
         (["--strategy=ep", "--ep=2"], "4", "ep trains a mixture of experts; tiny is dense"),
         (

@@ -1,0 +1,198 @@
+"""Day 28: FSDP2 on top of tensor parallelism, torchtitan's 2-D layout, as a strategy.
+
+    fsdp2_tp   the course's TP layers over grid.tp_group (day 19: each rank a TP shard of every
+               matrix, its own all-reduces in forward and backward), then fully_shard per block
+               and on the root over the dp dimension of the grid's DeviceMesh (day 18's FSDP2):
+               each TP shard's parameters, gradients and AdamW state sharded again over dp
+
+The mesh is 2-D, (dp, tp), as torchtitan lays it out, TP inner (inside a node), FSDP outer. Two
+things change from FSDP2 alone, both asked of dtl.reduction's table, never of a name: the loss
+is day 19's vocab-parallel cross-entropy, and the gradient norm is summed from the shards on
+every rank, each parameter counted where day 22's ZeRO-1 counts it (`distopt.counts_in_norm`:
+its dp slice on every rank, a TP replica on tp rank 0), then all-reduced over the world.
+
+Per rank, fp32: 16 P / dp bytes at rest (P = the TP shard's parameters, day 22's
+params_per_rank), plus the largest block's TP shard gathered while it runs. Checkpoints: day
+24's StackState over the TP shards gathered over dp (each dp group's copy the same: DCP writes
+it once), loaded back and cut into this rank's dp shards; the keys are the stack's, so day 24
+reshards them (a tp 2 x dp 2 checkpoint resumed at tp 1 x dp 4 continues the same losses: the
+notes' run; the tests resume at the same layout). The TP layers are plain tensors, not
+DTensors: torch's parallelize_module would split the fused QKV by rows, not by heads (day 24's
+sharded.py says why), so FSDP2 here shards each TP rank's local tensors over dp, a 1-D DTensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from day19_tp.formulas import block_params
+from day19_tp.tp import apply_tp, full_tensors, tp_loss
+from day22_megatron import formulas
+from day22_megatron.distopt import counts_in_norm
+from day22_megatron.layouts import Layout
+from day24_checkpoint.ckpt import Checkpointer, Progress
+from day24_checkpoint.sharded import StackState
+from day28_gpt125m.recipe import make_adamw
+from day28_gpt125m.strategy import Setup, Strategy, register
+from dtl import profile as dtl_profile
+from dtl.grid import ParallelGrid
+from dtl.model import GPT
+from dtl.optim import set_lr
+from dtl.reduction import gpt_reductions
+from dtl.state import live_state_bytes
+
+
+@register
+class FSDP2TP(Strategy):
+    """FSDP2 over dp on the course's TP layers over tp: a (dp, tp) mesh."""
+
+    name = "fsdp2_tp"
+    model_parallel = True
+    pipelines = False  # a (dp, tp) mesh: no pipeline here
+
+    @classmethod
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+        dp = world // tp
+        shard = formulas.params_per_rank(m, Layout(tp=tp, dp=dp), 0)  # this TP rank's tensors
+        return 16 * shard / dp, 4 * block_params(m, tp)  # + the largest block's TP shard, full
+
+    def __init__(self, s: Setup):
+        self.r, self.grid = s.recipe, s.grid
+        gpt = GPT(s.cfg, seed=s.seed).to(s.device)
+        gpt.set_recompute(s.recompute)
+        table = gpt_reductions(gpt, s.grid.axes)  # one-process names, before TP changes them
+        apply_tp(gpt, s.grid)  # every rank: its TP shard of each matrix (day 19), plain tensors
+        dp_mesh = self.dp_mesh(s.grid, s.device.type)
+        for block in gpt.blocks.values():  # each block its own all-gather unit over dp
+            fully_shard(block, mesh=dp_mesh)
+        self.gpt = fully_shard(gpt, mesh=dp_mesh)  # the root: wte, wpe, ln_f (and the head)
+        self.optimizer = make_adamw(self.gpt, s.recipe)
+        # which parameters' shards enter the global norm on this rank (a TP replica: tp rank 0)
+        self.counted = [
+            p for n, p in self.gpt.named_parameters() if counts_in_norm(table[n], s.grid)
+        ]
+
+    @staticmethod
+    def dp_mesh(grid: ParallelGrid, device_type: str) -> DeviceMesh:
+        """What FSDP2 shards over: the dp dimension of the grid's (pp, dp, cp, tp) mesh."""
+        return grid.device_mesh(device_type)["dp"]
+
+    def step(self, micro_batches, lr):
+        total, k = 0.0, len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            self.gpt.set_requires_gradient_sync(i == k - 1)  # reduce-scatter once, at the end
+            with dtl_profile.range(dtl_profile.FORWARD):
+                loss = tp_loss(self.gpt, self.gpt(x), y) / k  # vocab-parallel cross-entropy
+            with dtl_profile.range(dtl_profile.BACKWARD):
+                loss.backward()
+            total += loss.item()
+        norm = self._clip(self.r.clip or None)
+        set_lr(self.optimizer, lr)
+        with dtl_profile.range(dtl_profile.OPTIMIZER):
+            self.optimizer.step()  # AdamW on this rank's dp shard of its TP shard
+        if self.measure_state:
+            self.last_state = live_state_bytes(
+                self.gpt.parameters(), self.optimizer, counters=False
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, norm
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float | None) -> float:
+        """The dense gradient norm from every rank's shards (float64, over the world), and
+        clip_grad_norm_'s rule; returns the norm before clipping."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.counted[0].device)
+        for p in self.counted:
+            if p.grad is not None:
+                sq += _local(p.grad).double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = sq.sqrt().item()
+        coef = max_norm / (norm + 1e-6) if max_norm else 1.0
+        if coef < 1.0:
+            for p in self.gpt.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def full_parameters(self):
+        return full_tensors(self.gpt)  # gathered over dp, then joined over tp (day 19)
+
+    def _app(self, step: int = 0) -> tuple[StackState, GatheredShards]:
+        view = GatheredShards.of(self.gpt, self.optimizer, self.grid)
+        return StackState(view, Progress(step=step)), view
+
+    def save(self, folder, step):
+        app, _ = self._app(step)
+        Checkpointer(folder, keep=2).save(app, step)
+
+    def load(self, folder):
+        app, view = self._app()
+        step = Checkpointer(folder, keep=2).load(app)
+        view.scatter_back(self.gpt, self.optimizer)
+        return step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _Optimizer:
+    """What StackState reads of an optimizer: the state of each (gathered) tensor, the groups."""
+
+    state: dict
+    param_groups: list
+
+
+@dataclass
+class _Model:
+    cfg: object
+
+
+@dataclass
+class GatheredShards:
+    """The stack-like view day 24's StackState saves: each parameter and AdamW moment gathered
+    over dp into this TP rank's plain shard (a copy), under its one-process name."""
+
+    grid: ParallelGrid
+    gpt: _Model
+    named: dict[str, torch.Tensor]
+    optimizer: _Optimizer
+    params: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, gpt, optimizer, grid: ParallelGrid) -> GatheredShards:
+        named, state = {}, {}
+        for name, p in gpt.named_parameters():
+            full = p.detach().full_tensor().clone()  # (collective over dp)
+            named[name] = full
+            saved = optimizer.state.get(p, {})
+            state[full] = {
+                k: (v.full_tensor().clone() if isinstance(v, DTensor) else v.clone())
+                for k, v in saved.items()
+            }
+        groups = optimizer.param_groups
+        return cls(grid, _Model(gpt.cfg), named, _Optimizer(state, groups), list(named.values()))
+
+    def scatter_back(self, gpt, optimizer) -> None:
+        """After a load: each gathered tensor cut into this rank's dp shard, into the FSDP2
+        parameter and its AdamW state (created here for a fresh optimizer)."""
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                full = self.named[name]
+                p.to_local().copy_(_shard_like(full, p).to_local())
+                saved = self.optimizer.state[full]
+                optimizer.state[p] = {
+                    k: (_shard_like(v, p) if k != "step" else v.clone()) for k, v in saved.items()
+                }
+
+
+def _shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """`full` sharded as `like` is (FSDP2's Shard(0) over dp)."""
+    return distribute_tensor(full, like.device_mesh, like.placements)
