@@ -40,7 +40,7 @@ import torch
 
 from day18_zero.formulas import comm_bytes_per_rank
 from day22_megatron import formulas, planner
-from day22_megatron.distopt import DistributedOptimizer
+from day22_megatron.distopt import padding_of
 from day22_megatron.layouts import VOCAB_MULTIPLE, Layout
 from day22_megatron.planner import BF16
 from day22_megatron.stack import build_stack, forward_backward, stack_state_bytes, sync_gradients
@@ -107,8 +107,7 @@ def measure(cfg, lay: Layout, b: int, k: int, distributed_optimizer: bool = Fals
         pp=(comm.bytes["send"] + comm.bytes["recv"]) / k,
         dp=dp_comm.ring_bytes_per_rank(),
         state=sum(stack_state_bytes(stack).values()),
-        padding=opt.padding if isinstance(opt, DistributedOptimizer) else 0,
-        flats=len(opt.groups) if isinstance(opt, DistributedOptimizer) else 0,
+        padding=padding_of(opt),
     )
 
 

@@ -6,7 +6,7 @@ ranks a parameter's gradient is averaged over (dp x cp: its reduction record's `
 
     per rank, fp32      parameters   gradients   Adam m, v
     replicated          4 P          4 P         8 P
-    distributed         4 P          4 P         8 P / d  (+ padding: flats to multiples of d)
+    distributed         4 P'         4 P'        8 P' / d   P' = P + the flats' padding to d
 
 (Megatron quotes 6 + 12/d bytes per parameter in bf16: 2 for the bf16 weight, 4 for its fp32
 gradient, 12/d for the fp32 master, m and v. Here the weights train in fp32, so they are the
@@ -15,11 +15,13 @@ master: 4 + 4 + 8/d.)
 The parameters are grouped by the axes their gradients average over and by their weight decay
 (every group is one AdamW parameter group), each group laid out flat and padded to a multiple of
 its d: the parameters become views of that buffer, so rank r's slice of it is r's piece of the
-weights, updated in place. One optimizer step, per group of P (padded) elements:
+weights, updated in place; their gradients are views of a second buffer of the same layout
+(Megatron's grad buffer), which backward accumulates into and which stays between steps (ZeRO-2
+would free all but my slice). One optimizer step, per group of P (padded) elements:
 
-    backward          full gradients (P,) accumulate on every rank, as without ZeRO-1 (they
-                      stay until zero_grad, as Megatron's grad buffer; ZeRO-2 frees them)
-    reduce_scatter    (P,) -> (P/d,): the sum of my slice over the group, / d
+    backward          full gradients (P,) accumulate into the grad buffer, as without ZeRO-1
+    reduce_scatter    (P,) -> (P/d,): the sum of my slice over the group, / d, written into my
+                      slice of the grad buffer (the rest of it is stale from here on)
     global norm       my slice's squares, where this rank counts them (below), all-reduced
     AdamW             on my (P/d,) slice only: m and v are (P/d,)
     all_gather        (P/d,) -> (P,): every rank has the new weights again
@@ -47,10 +49,12 @@ import torch.distributed as dist
 
 from dtl import compat
 from dtl import profile as dtl_profile
+from dtl.dist import norm_of_pieces
 from dtl.flat import FlatBuffer
 from dtl.grid import ParallelGrid
-from dtl.optim import OptimConfig
+from dtl.optim import OptimConfig, clip_coefficient
 from dtl.reduction import Reduction, ReductionTable
+from dtl.state import StateBytes, nbytes, optimizer_state_bytes
 
 
 @dataclass
@@ -61,8 +65,10 @@ class ShardGroup:
     group: dist.ProcessGroup | None  # None: nobody to share with (d = 1)
     size: int  # d
     rank: int  # my index in the group: which slice is mine
+    divisor: int  # what the summed slice is divided by: the ranks whose tokens reached it
     params: list[torch.nn.Parameter]
     flat: FlatBuffer  # the parameters' storage: each parameter is a view of it
+    grads: torch.Tensor  # (P,) the gradients' storage: each parameter's .grad is a view of it
     shard: torch.Tensor  # (P/d,) my slice of the weights: a view of flat, updated in place
     counted: torch.Tensor  # (P/d,) float64: 1 where my slice's element enters the norm
 
@@ -103,13 +109,22 @@ class DistributedOptimizer:
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
-    def _group(self, axes, params, table, named) -> ShardGroup:
+    def _group(
+        self,
+        axes: tuple[str, ...],
+        params: list,
+        table: ReductionTable,
+        named: Mapping[str, torch.Tensor],
+    ) -> ShardGroup:
         size = self.grid.group_size(*axes) if axes else 1
         group = self.grid.group(*axes) if size > 1 else None
         rank = dist.get_rank(group) if group is not None else 0
+        divisor = self.grid.group_size(*table.divisor_axes(axes)) if axes else 1
         flat = FlatBuffer.of([p.detach() for p in params], pad_to=size)
-        for p, view in zip(params, flat.views):
+        grads = torch.zeros_like(flat.data)  # only the .grad views below refer to it
+        for p, view, offset, numel in zip(params, flat.views, flat.offsets, flat.numels):
             p.data = view  # the parameter lives in the buffer from now on
+            p.grad = grads[offset : offset + numel].view(view.shape)  # backward adds in place
         name_of: dict[int, str] = {}  # a tied weight under its first name (wte, not the copy)
         for n, p in named.items():
             name_of.setdefault(id(p), n)
@@ -118,38 +133,35 @@ class DistributedOptimizer:
             mask[offset : offset + numel] = float(counts_in_norm(table[name_of[id(p)]], self.grid))
         n = flat.data.numel() // size
         mine = slice(rank * n, (rank + 1) * n)
-        return ShardGroup(axes, group, size, rank, params, flat, flat.data[mine], mask[mine])
+        shard = flat.data[mine]
+        shard.grad = grads[mine]  # my averaged slice lands here: what AdamW reads
+        return ShardGroup(axes, group, size, rank, divisor, params, flat, grads, shard, mask[mine])
 
     def reduce_scatter_gradients(self) -> int:
-        """Each group's full gradients (P,) -> my averaged slice (P/d,), set as the slice's
-        gradient. Returns the bytes of the buffers reduce-scattered."""
+        """Each group's gradient buffer (P,) -> my averaged slice (P/d,), in my slice of the
+        buffer (the shard's .grad). Returns the bytes of the buffers reduce-scattered."""
         sent = 0
         for g in self.groups:
-            full = FlatBuffer.of([_grad(p) for p in g.params], pad_to=g.size).data  # (P,)
-            mine = torch.empty_like(g.shard)  # (P/d,)
+            _into_buffer(g)
             if g.group is not None:
+                summed = torch.empty_like(g.shard)  # (P/d,)
                 with dtl_profile.range(dtl_profile.comm_name("reduce_scatter", "dp grads")):
-                    compat.reduce_scatter_single(mine, full, group=g.group)  # (P,) -> (P/d,) sum
-                sent += full.numel() * full.element_size()
-            else:
-                mine.copy_(full)
-            g.shard.grad = mine / g.size  # the average over the d ranks that saw other tokens
+                    compat.reduce_scatter_single(summed, g.grads, group=g.group)  # (P,) -> (P/d,)
+                g.shard.grad.copy_(summed)
+                sent += g.grads.numel() * g.grads.element_size()
+            g.shard.grad.div_(g.divisor)  # the average over the ranks that saw other tokens
         return sent
 
     def global_norm(self) -> float:
-        """The dense model's gradient norm from the slices: each rank's counted squares, summed
-        over the whole grid (float64)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].shard.device)
-        for g in self.groups:
-            sq += (g.shard.grad.double().pow(2) * g.counted).sum()
-        dist.all_reduce(sq)
-        return sq.sqrt().item()
+        """The dense model's gradient norm from the slices: each rank's counted elements, their
+        squares summed over the whole grid (float64)."""
+        return norm_of_pieces(g.shard.grad.double() * g.counted for g in self.groups)
 
     @torch.no_grad()
     def clip(self, max_norm: float | None) -> float:
         """clip_grad_norm_'s rule on the slices; returns the norm before clipping."""
         norm = self.global_norm()
-        coef = (max_norm / (norm + 1e-6)) if max_norm else 1.0
+        coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for g in self.groups:
                 g.shard.grad.mul_(coef)
@@ -172,10 +184,19 @@ class DistributedOptimizer:
         return got
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffers; they stay, and the .grad views with them (Megatron's buffer
+        persists between steps): `set_to_none` is taken and has nothing to free."""
         for g in self.groups:
-            g.shard.grad = None
-            for p in g.params:
-                p.grad = None
+            g.grads.zero_()
+
+    def state_bytes(self) -> StateBytes:
+        """What this rank holds, counted from the buffers (their padding included) and AdamW's
+        moments (not its step counters, as the formula)."""
+        return StateBytes(
+            params=sum(nbytes(g.flat.data) for g in self.groups),
+            grads=sum(nbytes(g.grads) for g in self.groups),
+            optim=optimizer_state_bytes(self.inner, counters=False),
+        )
 
     @property
     def padding(self) -> int:
@@ -189,8 +210,21 @@ class DistributedOptimizer:
         self.inner.load_state_dict(state)
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+def padding_of(optimizer: object) -> int:
+    """The elements ZeRO-1's flat buffers add to reach multiples of d (0 for any other
+    optimizer): the formulas' `padding`."""
+    return optimizer.padding if isinstance(optimizer, DistributedOptimizer) else 0
+
+
+def _into_buffer(g: ShardGroup) -> None:
+    """Every parameter's gradient in its view of the buffer: backward adds into the view in
+    place; where autograd replaced it with a tensor of its own (or it was set to None), the
+    numbers are copied back and the view restored."""
+    for p, offset, numel in zip(g.params, g.flat.offsets, g.flat.numels):
+        view = g.grads[offset : offset + numel].view(p.shape)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+            p.grad = view
 
 
 def _by_axes_and_decay(

@@ -92,14 +92,15 @@ def state_bytes(
     padding: int = 0,
 ) -> dict[str, float]:
     """params / grads / optimizer bytes on one rank, fp32 training with Adam. With the
-    distributed optimizer (ZeRO-1) Adam's m and v are sliced over dp x cp; `padding`: the
-    elements its flat buffers add to reach multiples of dp x cp (fewer than dp x cp each)."""
-    P = params_per_rank(cfg, lay, pp_rank)
+    distributed optimizer (ZeRO-1) Adam's m and v are sliced over dp x cp, and the weights and
+    gradients live in flat buffers; `padding`: the elements those add to reach multiples of
+    dp x cp (fewer than dp x cp per buffer)."""
+    P = params_per_rank(cfg, lay, pp_rank) + padding
     shards = lay.dp * lay.cp if distributed_optimizer else 1
     return {
         "params": FP32 * P,
         "grads": FP32 * P,
-        "optim": ADAM_STATES * FP32 * (P + padding) / shards,
+        "optim": ADAM_STATES * FP32 * P / shards,
     }
 
 

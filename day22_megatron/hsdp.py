@@ -30,9 +30,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from dtl.flat import padded_size
+
 REPLICATE, SHARD = "replicate", "shard"  # the mesh's dims, outer to inner (torchtitan's order)
 HSDP_AXES = (REPLICATE, SHARD)
 ADAM_FP32 = 4 + 4 + 8  # bytes per parameter: fp32 weight, gradient, Adam m and v
+
+
+def check_replicas(replicas: int, world: int) -> None:
+    """ValueError (one line) unless `replicas` splits `world` ranks into equal shard groups."""
+    if replicas < 1 or world % replicas:
+        raise ValueError(
+            f"--replicas={replicas} does not split {world} ranks into equal shard groups"
+        )
 
 
 def hsdp_mesh(replicas: int, device_type: str) -> DeviceMesh:
@@ -40,8 +50,7 @@ def hsdp_mesh(replicas: int, device_type: str) -> DeviceMesh:
     consecutive ranks (one node each, when replicas is the node count). FSDP2 given a 2-D mesh
     replicates over dim 0 and shards over dim 1: HSDP. Collective: the mesh builds its groups."""
     world = dist.get_world_size()
-    if replicas < 1 or world % replicas:
-        raise ValueError(f"{replicas} replicas do not split {world} ranks into equal shard groups")
+    check_replicas(replicas, world)
     shard = world // replicas
     ranks = [[g * shard + i for i in range(shard)] for g in range(replicas)]  # a rank table
     return DeviceMesh(device_type, ranks, mesh_dim_names=HSDP_AXES)
@@ -57,7 +66,13 @@ def apply_hsdp(gpt: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 
 def padded_numel(shapes: list[torch.Size], shard: int) -> int:
     """Ψ': FSDP2 cuts each parameter on dim 0 into `shard` equal slices, dim 0 padded up."""
-    return sum(-(-s[0] // shard) * shard * (s.numel() // s[0]) for s in shapes)
+    return sum(padded_size(s[0], shard) * (s.numel() // s[0]) for s in shapes)
+
+
+def padded_counts(gpt: torch.nn.Module, shard: int) -> tuple[int, int]:
+    """(Ψ' of the whole GPT, Ψ' of its root's own parameters): what the formulas take."""
+    every = [p.shape for p in gpt.parameters()]
+    return padded_numel(every, shard), padded_numel(root_shapes(gpt), shard)
 
 
 def state_bytes(padded: int, shard: int) -> float:

@@ -22,7 +22,7 @@ from day22_megatron import hsdp, planner
 from dtl import config as dtl_config
 from dtl import dist as dtl_dist
 from dtl.comm import CommCounter
-from dtl.model import GPT, loss_fn
+from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.optim import OptimConfig
 from dtl.simulate import fake_world
 from dtl.state import live_state_bytes
@@ -50,11 +50,11 @@ class Config:
             raise err("hsdp_scale.py runs as one process (--nproc_per_node=1): it simulates")
 
 
-def simulate(cfg, world: int, replicas: int, seq_len: int) -> dict:
+def simulate(cfg: GPTConfig, world: int, replicas: int, seq_len: int) -> dict:
     """Rank 0 of `world` under FSDP2 on a (replicas, world / replicas) mesh: one step."""
     with fake_world(world):
         gpt = GPT(cfg, seed=0)
-        shapes, root = [p.shape for p in gpt.parameters()], hsdp.root_shapes(gpt)
+        padded, root = hsdp.padded_counts(gpt, world // replicas)
         mesh = hsdp.hsdp_mesh(replicas, "cpu")
         model = hsdp.apply_hsdp(gpt, mesh)
         optimizer = OptimConfig().make(model.parameters())
@@ -62,12 +62,11 @@ def simulate(cfg, world: int, replicas: int, seq_len: int) -> dict:
         with CommCounter() as comm:
             loss_fn(model(x[:, :-1]), x[:, 1:]).backward()
         optimizer.step()  # Adam's m and v exist from here
-        shard = world // replicas
         return dict(
             state=sum(live_state_bytes(model.parameters(), optimizer, counters=False).values()),
             sent={a: comm.ring_bytes_on(mesh.get_group(a)) for a in hsdp.HSDP_AXES},
-            padded=hsdp.padded_numel(shapes, shard),
-            root=hsdp.padded_numel(root, shard),
+            padded=padded,
+            root=root,
         )
 
 

@@ -53,7 +53,7 @@ from dtl.exercise_seam import exercise
 from dtl.grid import AXES, ParallelGrid
 from dtl.model import GPT, GPTConfig, loss_fn
 from dtl.moe import set_aux_loss_scale
-from dtl.optim import OptimConfig
+from dtl.optim import OptimConfig, clip_coefficient
 from dtl.reduction import ReductionTable, gpt_reductions
 from dtl.state import StateBytes, live_state_bytes
 
@@ -161,7 +161,10 @@ def stack_modules(stack: Stack) -> list:
 
 def stack_state_bytes(stack: Stack) -> StateBytes:
     """What this rank holds after an optimizer step (before zero_grad): its shards' and stages'
-    parameters, their gradients, Adam's moments (not its step counters, as the formula)."""
+    parameters, their gradients, Adam's moments (not its step counters, as the formula); under
+    ZeRO-1, its buffers (padding included) and its slices' moments."""
+    if isinstance(stack.optimizer, DistributedOptimizer):
+        return stack.optimizer.state_bytes()
     return live_state_bytes(stack.params, stack.optimizer, counters=False)
 
 
@@ -243,12 +246,11 @@ def clip_gradients(stack: Stack, max_norm: float | None) -> float:
     if isinstance(stack.optimizer, DistributedOptimizer):  # the norm of the reduced slices
         return stack.optimizer.clip(max_norm)
     norm = global_grad_norm(stack)
-    if max_norm:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in stack.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+    coef = clip_coefficient(norm, max_norm)
+    if coef < 1.0:
+        for p in stack.params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
     return norm
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from day21_sp_cp.cp import ATTENTION, CPError
 from day22_megatron import formulas, layouts
-from day22_megatron.distopt import DistributedOptimizer
+from day22_megatron.distopt import DistributedOptimizer, padding_of
 from day22_megatron.ep import EP_AXIS, data_rank, take_traffic
 from day22_megatron.layouts import padded_preset
 from day22_megatron.stack import (
@@ -164,13 +164,6 @@ def axis_groups(stack) -> dict[str, list]:
     }
 
 
-def zero1_flats(stack) -> tuple[int, int]:
-    """(the elements ZeRO-1's flat buffers add, how many flats): (0, 0) without it. The padding
-    is its formulas' `padding`."""
-    opt = stack.optimizer
-    return (opt.padding, len(opt.groups)) if isinstance(opt, DistributedOptimizer) else (0, 0)
-
-
 def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     mcfg = cfg.model_config()
     corpus = load_corpus(tokenizer=tokenizer_for(mcfg.vocab_size))
@@ -220,14 +213,15 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
     return dict(
         stack=stack, losses=losses, norms=norms, times=times, idle=idle, sent=sent,
         state=state, corpus=corpus, full=full_state(stack), device=info.device,
-        traffic=traffic, all_to_all=a2a, zero1=zero1_flats(stack),
+        traffic=traffic, all_to_all=a2a, padding=padding_of(stack.optimizer),
     )  # fmt: skip
 
 
 def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[list[str], bool]:
     """Lines for rank 0's figures, and whether every rank's equal their formulas exactly."""
     lay, mcfg = cfg.layout, cfg.model_config()
-    zero1, (pad, flats) = cfg.distributed_optimizer, result["zero1"]
+    zero1 = cfg.distributed_optimizer
+    pad = result["padding"]  # ZeRO-1's flats padded to multiples of dp x cp (0 without)
     want_state = formulas.state_bytes(mcfg, lay, grid.pp_rank, zero1, pad)
     want_comm = formulas.comm_bytes(
         mcfg, lay, grid.pp_rank, micro_batch_size=cfg.micro_batch_size,
@@ -246,12 +240,10 @@ def measured_vs_formula(cfg: Config, grid: ParallelGrid, result: dict) -> tuple[
         f"  {k:<7}{got[k] / MB:>12.3f}{want[k] / MB:>12.3f}  {'exact' if exact[k] else 'MISMATCH'}"
         for k in want
     ]
-    if zero1:  # the padding the formulas were given, within its rule: fewer than d per flat
-        d = lay.dp * lay.cp
-        exact["padding"] = pad < d * flats
+    if zero1:  # the padding the formulas were given
         lines.append(
-            f"  ZeRO-1: Adam's m and v sliced over d = {d} ranks; {flats} flats padded by {pad} "
-            f"elements in all (fewer than d each: {'yes' if exact['padding'] else 'NO'})"
+            f"  ZeRO-1: Adam's m and v sliced over d = {lay.dp * lay.cp} ranks; the flat "
+            f"buffers padded by {pad} elements"
         )
     if lay.ep > 1:  # the all-to-alls' data (S of every call), against the rows' formula
         exact["all-to-all"] = matches_formula(result["all_to_all"], data)

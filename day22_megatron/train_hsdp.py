@@ -44,23 +44,22 @@ class Config:
 
     def validate(self) -> None:
         world = dtl_dist.launch_world_size()
-        if self.replicas < 1 or world % self.replicas:
-            raise dtl_config.ConfigError(
-                f"--replicas={self.replicas} does not split {world} ranks into equal shard groups"
-            )
+        try:
+            hsdp.check_replicas(self.replicas, world)
+        except ValueError as e:
+            raise dtl_config.ConfigError(str(e)) from None
         if self.global_batch_size % world:
             raise dtl_config.ConfigError(
                 f"global batch {self.global_batch_size} does not split over {world} ranks"
             )
 
 
-def run(cfg: Config) -> dict:
-    """Train; this rank's losses, norms, full parameters, state and last step's bytes per axis,
-    and the padded parameter counts the formulas take."""
-    mesh = hsdp.hsdp_mesh(cfg.replicas, "cpu")
-    shard = dist.get_world_size() // cfg.replicas
-    gpt = GPT(preset(cfg.model), seed=0)
-    shapes, root = [p.shape for p in gpt.parameters()], hsdp.root_shapes(gpt)
+def run(cfg: Config, device: torch.device) -> dict:
+    """Train on `device`; this rank's losses, norms, full parameters, state and last step's
+    bytes per axis, and the padded parameter counts the formulas take."""
+    mesh = hsdp.hsdp_mesh(cfg.replicas, device.type)
+    gpt = GPT(preset(cfg.model), seed=0).to(device)
+    padded, root = hsdp.padded_counts(gpt, dist.get_world_size() // cfg.replicas)
     model = hsdp.apply_hsdp(gpt, mesh)  # each parameter: Replicate over r, Shard(0) over s
     optimizer = cfg.optim.make(model.parameters())
     corpus = load_corpus(tokenizer="byte").train
@@ -69,6 +68,7 @@ def run(cfg: Config) -> dict:
     losses, norms = [], []
     for step in range(cfg.steps):
         x, y = get_batch(corpus, cfg.seq_len, cfg.global_batch_size, seed=0, step=step)
+        x, y = x.to(device), y.to(device)
         with CommCounter() as comm:  # the all-gathers, the reduce-scatter, the all-reduce
             loss = loss_fn(model(x[mine]), y[mine])
             loss.backward()
@@ -84,8 +84,9 @@ def run(cfg: Config) -> dict:
         full={n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
         state=sum(state.values()),
         sent={axis: comm.ring_bytes_on(mesh.get_group(axis)) for axis in hsdp.HSDP_AXES},
-        padded=hsdp.padded_numel(shapes, shard),
-        root=hsdp.padded_numel(root, shard),
+        padded=padded,
+        root=root,
+        device=device,
     )
 
 
@@ -109,7 +110,7 @@ def one_process(cfg: Config) -> tuple[list[float], dict, list[float]]:
 def report(cfg: Config, result: dict) -> bool:
     got = dict(state=result["state"], **result["sent"])
     want = formulas_of(cfg, result)
-    exact = torch.tensor([float(got == want)])
+    exact = torch.tensor([float(got == want)], device=result["device"])
     dist.all_reduce(exact, op=dist.ReduceOp.MIN)  # every rank's counts, not rank 0's alone
     dtl_dist.print0("rank 0 (MB: state held; ring bytes sent in the last step, per mesh axis):")
     dtl_dist.print0(f"  {'what':<10}{'measured':>10}{'formula':>10}")
@@ -119,7 +120,7 @@ def report(cfg: Config, result: dict) -> bool:
     if cfg.check:
         verdict = reference_verdict(
             result["losses"], result["full"], lambda: one_process(cfg), steps=cfg.steps,
-            device=torch.device("cpu"), what="one process", optimizer="AdamW",
+            device=result["device"], what="one process", optimizer="AdamW",
             grad_norms=result["norms"],
         )  # fmt: skip
     r, s = cfg.replicas, dist.get_world_size() // cfg.replicas
@@ -132,8 +133,8 @@ def report(cfg: Config, result: dict) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
-    dtl_dist.init()
-    dtl_dist.finish(report(cfg, run(cfg)))
+    info = dtl_dist.init()
+    dtl_dist.finish(report(cfg, run(cfg, info.device)))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -41,9 +40,10 @@ from day24_checkpoint.sharded import StackState
 from day28_gpt125m.recipe import make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
+from dtl.dist import norm_of_pieces
 from dtl.grid import ParallelGrid
 from dtl.model import GPT
-from dtl.optim import set_lr
+from dtl.optim import clip_coefficient, set_lr
 from dtl.reduction import gpt_reductions
 from dtl.state import live_state_bytes
 
@@ -55,12 +55,13 @@ class FSDP2TP(Strategy):
     name = "fsdp2_tp"
     model_parallel = True
     pipelines = False  # a (dp, tp) mesh: no pipeline here
+    no_recompute = "--recompute is not checked with fsdp2_tp here; use tp_pp or fsdp2"
 
     @classmethod
     def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
-        dp = world // tp
-        shard = formulas.params_per_rank(m, Layout(tp=tp, dp=dp), 0)  # this TP rank's tensors
-        return 16 * shard / dp, 4 * block_params(m, tp)  # + the largest block's TP shard, full
+        lay = Layout(tp=tp, dp=world // tp)
+        tp_rank = sum(formulas.state_bytes(m, lay, 0).values())  # a TP rank's 16 bytes a param
+        return tp_rank / lay.dp, formulas.FP32 * block_params(m, tp)  # + one block, gathered
 
     def __init__(self, s: Setup):
         self.r, self.grid = s.recipe, s.grid
@@ -83,7 +84,7 @@ class FSDP2TP(Strategy):
         """What FSDP2 shards over: the dp dimension of the grid's (pp, dp, cp, tp) mesh."""
         return grid.device_mesh(device_type)["dp"]
 
-    def step(self, micro_batches, lr):
+    def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         total, k = 0.0, len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             self.gpt.set_requires_gradient_sync(i == k - 1)  # reduce-scatter once, at the end
@@ -107,31 +108,26 @@ class FSDP2TP(Strategy):
     def _clip(self, max_norm: float | None) -> float:
         """The dense gradient norm from every rank's shards (float64, over the world), and
         clip_grad_norm_'s rule; returns the norm before clipping."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.counted[0].device)
-        for p in self.counted:
-            if p.grad is not None:
-                sq += _local(p.grad).double().pow(2).sum()
-        dist.all_reduce(sq)
-        norm = sq.sqrt().item()
-        coef = max_norm / (norm + 1e-6) if max_norm else 1.0
+        norm = norm_of_pieces(_local(p.grad) for p in self.counted if p.grad is not None)
+        coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for p in self.gpt.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
 
-    def full_parameters(self):
+    def full_parameters(self) -> dict[str, torch.Tensor]:
         return full_tensors(self.gpt)  # gathered over dp, then joined over tp (day 19)
 
     def _app(self, step: int = 0) -> tuple[StackState, GatheredShards]:
         view = GatheredShards.of(self.gpt, self.optimizer, self.grid)
         return StackState(view, Progress(step=step)), view
 
-    def save(self, folder, step):
+    def save(self, folder: str, step: int) -> None:
         app, _ = self._app(step)
         Checkpointer(folder, keep=2).save(app, step)
 
-    def load(self, folder):
+    def load(self, folder: str) -> int:
         app, view = self._app()
         step = Checkpointer(folder, keep=2).load(app)
         view.scatter_back(self.gpt, self.optimizer)
@@ -167,7 +163,9 @@ class GatheredShards:
     params: list = field(default_factory=list)
 
     @classmethod
-    def of(cls, gpt, optimizer, grid: ParallelGrid) -> GatheredShards:
+    def of(
+        cls, gpt: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ParallelGrid
+    ) -> GatheredShards:
         named, state = {}, {}
         for name, p in gpt.named_parameters():
             full = p.detach().full_tensor().clone()  # (collective over dp)
@@ -180,7 +178,7 @@ class GatheredShards:
         groups = optimizer.param_groups
         return cls(grid, _Model(gpt.cfg), named, _Optimizer(state, groups), list(named.values()))
 
-    def scatter_back(self, gpt, optimizer) -> None:
+    def scatter_back(self, gpt: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """After a load: each gathered tensor cut into this rank's dp shard, into the FSDP2
         parameter and its AdamW state (created here for a fresh optimizer)."""
         with torch.no_grad():
@@ -188,8 +186,9 @@ class GatheredShards:
                 full = self.named[name]
                 p.to_local().copy_(_shard_like(full, p).to_local())
                 saved = self.optimizer.state[full]
-                optimizer.state[p] = {
-                    k: (_shard_like(v, p) if k != "step" else v.clone()) for k, v in saved.items()
+                optimizer.state[p] = {  # the moments shaped as p, sharded as p; the step whole
+                    k: (_shard_like(v, p) if v.shape == full.shape else v.clone())
+                    for k, v in saved.items()
                 }
 
 

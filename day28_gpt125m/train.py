@@ -29,7 +29,6 @@ rank 0 and evaluated on the validation shards; at the end rank 0 samples text fr
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from day22_megatron.ep import data_rank
 from day22_megatron.layouts import VOCAB_MULTIPLE, Layout, LayoutError, check_experts, padded_preset
 from day22_megatron.stack import grid_for
 from day28_gpt125m import data as shards
-from day28_gpt125m import fit
+from day28_gpt125m import fit, verdict
 from day28_gpt125m.recipe import Recipe, generate, lr_at
 from day28_gpt125m.strategies import (
     APPLIES,
@@ -70,10 +69,9 @@ from dtl.data import (
 )
 from dtl.deepspeed import DsConfigError, planned_device_type
 from dtl.grid import ParallelGrid
-from dtl.metrics import StepLogger, mfu, peak_flops
+from dtl.metrics import StepLogger, peak_flops
 from dtl.model import GPT, PRESETS, PresetName, Recompute, flops_per_token, loss_fn, preset
 from dtl.precision import PrecisionName
-from dtl.reference import ADAM_NORM_RTOL, Verdict, one_process_gpt, reference_verdict
 from dtl.shared_folder import require_shared_folder
 
 
@@ -395,84 +393,6 @@ def _eval(cfg: Config, strategy, val, info) -> float | None:
     return evaluate(cfg, full, val, info.device)[0] if info.is_main else None
 
 
-def reference(cfg: Config, train) -> tuple[list[float], dict, list[float]]:
-    """The one-process run: the same model, recipe, schedule and global batches; its losses,
-    parameters and gradient norms before clipping (with clipping on, Adam and the clip hide a
-    gradient scaled by any constant from the losses and parameters: the norms show it)."""
-    r = cfg.recipe()
-    norms: list[float] = []
-    losses, gpt = one_process_gpt(
-        cfg.model_config(),
-        train.read(0, len(train)),
-        seq_len=cfg.seq_len,
-        rows=cfg.global_batch_size,
-        steps=cfg.steps,
-        seed=cfg.seed,
-        lr=r.lr,
-        weight_decay=r.weight_decay,
-        eps=r.eps,
-        betas=r.betas,
-        clip_grad=r.clip or None,
-        grad_norms=norms,
-        lr_at=lambda step: lr_at(step, r),
-        slices=cfg.forwards if cfg.model_config().moe else 1,  # one aux loss per forward
-    )
-    return losses, dict(gpt.named_parameters()), norms
-
-
-def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
-    steady = result["times"][1:] or result["times"]
-    med = sorted(steady)[len(steady) // 2]
-    tokens_s = cfg.global_batch_size * cfg.seq_len / med
-    peak = peak_flops(info.device, cfg.runs_precision)
-    fpt = flops_per_token(cfg.model_config(), cfg.seq_len)
-    value = mfu(fpt, tokens_s, peak, info.world_size)
-    shown = f"{value:.1%}" if value is not None else "n/a (no peak for a CPU)"
-    wait = sum(result["waits"][1:]) / sum(steady)  # seconds over seconds
-    verdict = Verdict.skip("one-process check skipped (check=false)")
-    if cfg.resume or cfg.stop_at:
-        verdict = Verdict.skip(
-            "one-process check skipped (a run cut in two: compare its losses with a whole one)"
-        )
-    elif cfg.check:
-        verdict = reference_verdict(
-            result["losses"],
-            result["full"],
-            lambda: reference(cfg, result["train"]),
-            steps=cfg.steps,
-            device=info.device,
-            what="one process",
-            optimizer="AdamW",
-            grad_norms=result["norms"],
-            norm_rtol=ADAM_NORM_RTOL,  # dtl.reference says why
-        )
-    dtl_dist.print0(f"sample (rank 0, top-k 40): {result['sample']!r}")
-    if info.is_main:  # what compare.py reads beside its predictions
-        state = sum(result["state"].values()) if result["state"] else None
-        summary = dict(
-            run=os.path.basename(cfg.out_dir),
-            strategy=cfg.strategy,
-            model=cfg.model,
-            world=info.world_size,
-            tp=cfg.tp,
-            pp=cfg.pp,
-            state_bytes=state,
-            tokens_per_s=tokens_s,
-            final_loss=result["losses"][-1],
-        )
-        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    dtl_dist.print0(
-        f"summary: day28 {cfg.strategy} {cfg.model} on {info.world_size} ranks ({grid}): {verdict}"
-    )
-    val = result["val_loss"] or 0.0  # rank 0 evaluates; print0 prints there
-    dtl_dist.print0(
-        f"summary: final loss {result['losses'][-1]:.4f}, val loss {val:.4f}; "
-        f"{tokens_s:,.0f} tokens/s, MFU {shown}; waiting for data {wait:.1%} of the step time"
-    )
-    return verdict.ok
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = dtl_config.parse(Config, argv)  # bad input: one line, exit 2, before any collective
     info = dtl_dist.init()
@@ -483,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens per DP rank per step, {cfg.global_batch_size * cfg.seq_len:,} tokens per step"
     )
     result = run(cfg, info, grid)
-    dtl_dist.finish(report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed
+    dtl_dist.finish(verdict.report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed
 
 
 if __name__ == "__main__":

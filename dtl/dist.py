@@ -215,6 +215,16 @@ def all_reduce_scalar(
     return t.item() / (dist.get_world_size(group) if average else 1)
 
 
+def norm_of_pieces(pieces: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> float:
+    """The 2-norm of a tensor spread over ranks: each rank's squares of the pieces it counts,
+    summed in float64, all-reduced over `group` (the world by default). Collective."""
+    sq = torch.zeros(1, dtype=torch.float64, device=run_device(group))
+    for piece in pieces:
+        sq += piece.detach().double().pow(2).sum().to(sq.device)
+    dist.all_reduce(sq, group=group)
+    return sq.sqrt().item()
+
+
 def average_gradients(
     params: Iterable[torch.Tensor],
     group: dist.ProcessGroup | None = None,

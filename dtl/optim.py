@@ -113,6 +113,12 @@ def warmup_cosine(step: int, *, warmup: int, steps: int, min_ratio: float) -> fl
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s rule: the factor every gradient is multiplied by, 1 when
+    the norm is within `max_norm` (or there is none)."""
+    return min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """This step's learning rate on every parameter group (a schedule's value)."""
     for group in optimizer.param_groups:

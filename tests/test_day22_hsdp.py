@@ -1,16 +1,19 @@
 """Day 22: HSDP (FSDP2 on a 2-D replicate x shard mesh) trains like one process, holds the
 formula's state per rank, and moves the formula's bytes on each axis; a planted mesh fails.
 
-One 4-rank spawn runs train_hsdp.run twice: replicate 2 x shard 2, 3 AdamW steps of `tiny`
+One 4-rank spawn runs train_hsdp.run twice at replicate 2 x shard 2: 3 AdamW steps of `tiny`
 (clipping at 1.0) against the one-process GPT on the same global batches (losses rtol 1e-5,
 gradient norms rtol 1e-5, parameters atol 1e-5); its state counted from the live tensors after
 the last step, and the ring bytes of the last step on each mesh axis, equal to hsdp.py's
-formulas on every rank, to the byte. Planted: replicate 4 x shard 1, every rank a replica (an
-all-reduce where the shard axis should reduce-scatter): its state and bytes are not the
-formula's for 2 x 2.
+formulas on every rank, to the byte. Planted: apply_hsdp handing FSDP2 a 1-D mesh of every rank
+(plain FSDP over 4: nothing replicated, the gathers on the world group): its state and bytes per
+axis are not the 2 x 2 formulas'.
 """
 
+import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from day22_megatron import hsdp, train_hsdp
 from dtl import dist as dtl_dist
@@ -18,10 +21,21 @@ from dtl.testing import run_distributed
 
 
 def _runs() -> dict:
-    dtl_dist.init()
+    info = dtl_dist.init()
     cfg = train_hsdp.Config(replicas=2, check=False)
-    planted = train_hsdp.Config(replicas=4, check=False)
-    return {"hsdp": train_hsdp.run(cfg), "planted": train_hsdp.run(planted)}
+    true = hsdp.apply_hsdp
+
+    def one_dimensional(gpt, mesh):  # the 2-D mesh ignored: FSDP over the world
+        return true(gpt, DeviceMesh.from_group(dist.group.WORLD, info.device.type))
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(hsdp, "apply_hsdp", one_dimensional)
+        planted = train_hsdp.run(cfg, info.device)
+    return {"hsdp": train_hsdp.run(cfg, info.device), "planted": planted}
+
+
+def _counts(run: dict) -> dict:
+    return dict(state=run["state"], **run["sent"])
 
 
 def test_hsdp_trains_like_one_process_and_holds_and_moves_the_formulas_bytes():
@@ -32,10 +46,11 @@ def test_hsdp_trains_like_one_process_and_holds_and_moves_the_formulas_bytes():
     torch.testing.assert_close(run["norms"], norms, rtol=1e-5, atol=0)
     for name, p in params.items():
         torch.testing.assert_close(run["full"][name], p.detach(), rtol=0, atol=1e-5, msg=name)
-    for rank, r in enumerate(ranks):
-        got = r["hsdp"]
-        assert got["state"] == hsdp.state_bytes(got["padded"], 2), (rank, got["state"])
-        assert got["sent"] == hsdp.comm_bytes(got["padded"], got["root"], 2, 2), (rank, got["sent"])
-    planted = ranks[0]["planted"]  # the same numbers; all-reduced, not sharded: the counts fail
-    assert planted["state"] != hsdp.state_bytes(run["padded"], 2)
-    assert planted["sent"] != hsdp.comm_bytes(run["padded"], run["root"], 2, 2)
+    cfg = train_hsdp.Config(replicas=2)
+    for rank, r in enumerate(ranks):  # every rank's counts: each is checked, not rank 0's alone
+        want = dict(
+            state=hsdp.state_bytes(r["hsdp"]["padded"], 2),
+            **hsdp.comm_bytes(r["hsdp"]["padded"], r["hsdp"]["root"], cfg.replicas, 2),
+        )
+        assert _counts(r["hsdp"]) == want, (rank, _counts(r["hsdp"]), want)
+        assert _counts(r["planted"]) != want, rank  # the same numbers, not the same layout

@@ -72,15 +72,10 @@ OUR_GRIDS_4 = {  # name -> train_4d flags (world 4)
     "dp2-tp2-sp": dict(tp=2, sp=True),
     # ZeRO-1 (distopt.py): Adam's m and v sliced over dp, gradients reduce-scattered
     "dp2-tp2-zero1": dict(tp=2, distributed_optimizer=True),
-    "dp2-pp2-zero1": dict(pp=2, distributed_optimizer=True),
 }
 # with ZeRO-1; the plain grid's all-reduce at 8 ranks: the registered ours-ep2-pp2-tp2 line
 OUR_GRIDS_8 = {"dp2-pp2-tp2-zero1": dict(tp=2, pp=2, distributed_optimizer=True)}
-# ZeRO-1 with a bug planted (run in the 4-rank spawn): each must fail the one-process check
-ZERO1_PLANTS = {
-    "zero1: slices summed, not averaged": dict(tp=2, distributed_optimizer=True),
-    "zero1: replicas counted on every tp rank": dict(tp=2, distributed_optimizer=True),
-}
+ZERO1 = dict(tp=2, distributed_optimizer=True)  # the planted bugs' grid (dp 2 x tp 2)
 COMMON = dict(model="tiny", num_layers=4, global_batch_size=GBS, micro_batch_size=1)
 
 
@@ -201,23 +196,34 @@ def test_converter_round_trips_exactly_and_interleaves_qkv_per_head():
 # --- our 4-D stack -----------------------------------------------------------------------------
 
 
-def _planted(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plant the ZeRO-1 bug a ZERO1_PLANTS name describes (none for the other names)."""
-    if name == "zero1: slices summed, not averaged":
-        true = distopt.DistributedOptimizer.reduce_scatter_gradients
+def _slices_summed(monkeypatch: pytest.MonkeyPatch) -> None:
+    true = distopt.DistributedOptimizer.reduce_scatter_gradients
 
-        def summed(self):
-            sent = true(self)
-            for g in self.groups:
-                g.shard.grad.mul_(g.size)  # the division by d undone
-            return sent
+    def summed(self):
+        sent = true(self)
+        for g in self.groups:
+            g.shard.grad.mul_(g.size)  # the division by d undone
+        return sent
 
-        monkeypatch.setattr(distopt.DistributedOptimizer, "reduce_scatter_gradients", summed)
-    if name == "zero1: replicas counted on every tp rank":
-        monkeypatch.setattr(distopt, "counts_in_norm", lambda record, grid: True)
+    monkeypatch.setattr(distopt.DistributedOptimizer, "reduce_scatter_gradients", summed)
 
 
-def _our_body(tmp, grids):
+def _replicas_counted_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distopt, "counts_in_norm", lambda record, grid: True)
+
+
+# ZeRO-1 with a bug planted, run in the 4-rank spawn: label -> (its grid, what plants it); each
+# must fail the one-process check
+ZERO1_PLANTS = {
+    "zero1: slices summed, not averaged": (ZERO1, _slices_summed),
+    "zero1: replicas counted on every tp rank": (ZERO1, _replicas_counted_everywhere),
+}
+
+
+def _our_body(tmp, grids, plants=None):
+    """Every grid of `grids` (name -> train_4d flags) trained; `plants`: name -> the functions
+    that plant a bug before it trains."""
+    plants = plants or {}
     info = dtl_dist.init()
     out = {}
     for name, flags in grids.items():
@@ -227,7 +233,8 @@ def _our_body(tmp, grids):
         lay = cfg.layout
         grid = ParallelGrid(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp)
         with pytest.MonkeyPatch.context() as monkeypatch:
-            _planted(name, monkeypatch)
+            for plant in plants.get(name, ()):
+                plant(monkeypatch)
             r = train_4d.run(cfg, info, grid)
         _, exact = train_4d.measured_vs_formula(cfg, grid, r)
         out[name] = dict(
@@ -267,8 +274,9 @@ def test_our_4d_stack_equals_one_process_at_4_ranks(our_results_4, name):
 @pytest.fixture(scope="module")
 def our_results_4(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ours4"))
-    grids = {**OUR_GRIDS_4, **ZERO1_PLANTS}
-    return run_distributed(_our_body, tmp, grids, world_size=4, timeout_s=240)
+    grids = {**OUR_GRIDS_4, **{label: flags for label, (flags, _) in ZERO1_PLANTS.items()}}
+    plants = {label: (plant,) for label, (_, plant) in ZERO1_PLANTS.items()}
+    return run_distributed(_our_body, tmp, grids, plants, world_size=4, timeout_s=240)
 
 
 @pytest.mark.parametrize("name", list(ZERO1_PLANTS))

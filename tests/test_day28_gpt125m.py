@@ -26,7 +26,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from day28_gpt125m import data as shards
-from day28_gpt125m import fit, sharded_tp, train
+from day28_gpt125m import fit, sharded_tp, train, verdict
 from day28_gpt125m.recipe import Recipe, lr_at, make_adamw
 from day28_gpt125m.strategies import REGISTRY
 from dtl import config as dtl_config
@@ -36,10 +36,14 @@ from dtl.model import GPT, num_params, preset
 from dtl.testing import needs_extras, run_distributed, script_error
 
 STEPS, CUT = 8, 4
-# tp_sp saves through tp_pp's Checkpointer the same parameters and state (SP keeps no state of
-# its own): its resume is tp_pp's, tested once
-RESUME_AS = {"tp_sp": "tp_pp"}
-RESUMABLE = [n for n, kind in REGISTRY.items() if not kind.no_checkpoints and n not in RESUME_AS]
+# strategies whose checkpoint another test covers: not cut and resumed here
+RESUMED_ELSEWHERE = {
+    "tp_sp": "tp_pp's Checkpointer over the same parameters and state: SP keeps no state",
+    "ep": "day 24's ep2-dp4 pair reloads every expert and its AdamW moments bit for bit",
+}
+RESUMABLE = [
+    n for n, kind in REGISTRY.items() if not kind.no_checkpoints and n not in RESUMED_ELSEWHERE
+]
 
 
 def _sizes(strategy) -> tuple[int, int, int]:
@@ -83,7 +87,7 @@ RECOMPUTE = {"tp_sp": "full", "ep": "full"}
 
 def _config(strategy, tmp, **kw) -> train.Config:
     tp, pp, ep = _sizes(strategy)
-    cfg = train.Config(
+    fields = dict(
         strategy=strategy,
         model=_model(strategy),
         tp=tp,
@@ -96,10 +100,27 @@ def _config(strategy, tmp, **kw) -> train.Config:
         data_dir=os.path.join(tmp, "data"),
         out_dir=os.path.join(tmp, strategy),
         recompute=RECOMPUTE.get(strategy, "none"),
-        **kw,
     )
+    cfg = train.Config(**{**fields, **kw})
     cfg.validate()
     return cfg
+
+
+def _all_reduce_mesh(grid, device_type):
+    """A (dp, 1) mesh of this rank's dp group: FSDP2 handed it replicates over dp and shards
+    over nothing, all-reducing where it should reduce-scatter."""
+    others = grid.ranks.permute(0, 2, 3, 1).reshape(-1, grid.dp_size, 1)  # (pp cp tp, dp, 1)
+    mesh = DeviceMesh(device_type, others, mesh_dim_names=("others", "dp", "one"))
+    return mesh[("dp", "one")]
+
+
+# label -> (strategy, (class, attribute, planted value)): run in the strategy's spawn, one step
+PLANTS = {
+    "fsdp2_tp, an all-reduce on the shard axis": (
+        "fsdp2_tp",
+        (sharded_tp.FSDP2TP, "dp_mesh", staticmethod(_all_reduce_mesh)),
+    ),
+}
 
 
 def _runs(tmp, strategies, resumed: bool):
@@ -124,18 +145,26 @@ def _runs(tmp, strategies, resumed: bool):
         out[name] = dict(
             losses=losses, norms=norms, full=r["full"], state=r["state"], pp_rank=grid.pp_rank
         )
+    for label, (name, (owner, attribute, value)) in PLANTS.items():
+        if name in strategies and not resumed:  # one step: its state is measured at the last
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setattr(owner, attribute, value)
+                cfg = _config(name, tmp, steps=1, out_dir=os.path.join(tmp, "planted"))
+                r = train.run(cfg, info, cfg.grid())
+            out[label] = dict(state=r["state"], pp_rank=cfg.grid().pp_rank)
     return out
 
 
 _SPAWNS: dict = {}  # (world, extras, resumed) -> every rank's results of that spawn, or its error
 
 
-def _ranks(name, tmp_path_factory, resumed: bool = False) -> list[dict]:
+def _ranks(name, tmp_path_factory, resumed: bool = False, entry: str = "") -> list[dict]:
     """Every rank's run of `name`, whole or cut and resumed. The strategies of one world that
     import the same extras (torch's ddp and fsdp2; tp_pp and tp_sp; DeepSpeed's; megatron-core's)
     train in one spawn, started by the first test that asks, in its own body: a strategy that
     raises fails the tests of its spawn, with its traceback, and no other. The cut runs spawn
-    apart, so that a broken checkpoint fails the resume tests only."""
+    apart, so that a broken checkpoint fails the resume tests only. `entry`: another result of
+    the same spawn (a PLANTS label)."""
     key = (_world(name), REGISTRY[name].extras, resumed)
     if key not in _SPAWNS:
         group = [
@@ -152,7 +181,7 @@ def _ranks(name, tmp_path_factory, resumed: bool = False) -> list[dict]:
             _SPAWNS[key] = e
     if isinstance(_SPAWNS[key], Exception):
         raise _SPAWNS[key]
-    return [runs[name] for runs in _SPAWNS[key]]
+    return [runs[entry or name] for runs in _SPAWNS[key]]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +202,7 @@ def reference(train_tokens):
     def of(strategy):
         model = _model(strategy)
         if model not in runs:
-            runs[model] = train.reference(train.Config(model=model, steps=STEPS), train_tokens)
+            runs[model] = verdict.reference(train.Config(model=model, steps=STEPS), train_tokens)
         return runs[model]
 
     return of
@@ -232,34 +261,16 @@ def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train
     run = _ranks(name, tmp_path_factory)[0]
     _check(run, reference, name)
     whole = train.Config(model=_model(name), steps=STEPS, global_batch_size=8, micro_batch_size=8)
-    one_forward = train.reference(whole, train_tokens)  # forwards = 1: one aux loss per step
+    one_forward = verdict.reference(whole, train_tokens)  # forwards = 1: one aux loss per step
     with pytest.raises(AssertionError):
         _check(run, lambda _: one_forward, name)
 
 
-def _fsdp2_tp_all_reduced(tmp):
-    """fsdp2_tp with FSDP2 handed a (dp, 1) mesh: replicate over dp, shard over nothing, so its
-    gradients are all-reduced where they should be reduce-scattered. Every rank's state."""
-    info = dtl_dist.init()
-
-    def all_reduce_mesh(grid, device_type):
-        others = grid.ranks.permute(0, 2, 3, 1).reshape(-1, grid.dp_size, 1)  # (pp cp tp, dp, 1)
-        mesh = DeviceMesh(device_type, others, mesh_dim_names=("others", "dp", "one"))
-        return mesh[("dp", "one")]
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(sharded_tp.FSDP2TP, "dp_mesh", staticmethod(all_reduce_mesh))
-        cfg = train.Config(strategy="fsdp2_tp", tp=2, steps=1, check=False, sample_tokens=0,
-                           workers=0, data_dir=os.path.join(tmp, "data"), out_dir=tmp)  # fmt: skip
-        cfg.validate()
-        r = train.run(cfg, info, cfg.grid())
-    return dict(state=r["state"], pp_rank=0)
-
-
-def test_fsdp2_tp_planted_with_an_all_reduce_on_the_shard_axis_fails_the_state_check(tmp_path):
-    ranks = run_distributed(_fsdp2_tp_all_reduced, str(tmp_path), world_size=4, timeout_s=180)
+@pytest.mark.parametrize("label", list(PLANTS))
+def test_a_planted_strategy_fails_the_state_check(label, tmp_path_factory):
+    name = PLANTS[label][0]
     with pytest.raises(AssertionError):
-        _check_state(ranks, "fsdp2_tp")
+        _check_state(_ranks(name, tmp_path_factory, entry=label), name)
 
 
 @pytest.mark.parametrize("name", _cases(resumable=True))

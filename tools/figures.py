@@ -33,10 +33,13 @@ from day18_zero import formulas as zero
 from day19_tp import layout
 from day20_pp import schedules, timeline
 from day21_sp_cp.ring_attention import attention_work, imbalance, ring_pairs
+from day22_megatron import formulas, planner
 from day22_megatron.dispatch_figure import dispatch_figure
+from day22_megatron.layouts import Layout
 from day28_gpt125m import compare
 from dtl.data import cp_chunks
 from dtl.grid import ParallelGrid
+from dtl.model import num_params
 from dtl.precision import PRECISIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,6 +309,45 @@ def grid_layout(tp: int = 2, cp: int = 2, dp: int = 2, pp: int = 2) -> Figure:
     return fig
 
 
+# --- day 22: where the model state lives, per composition ------------------------------------
+
+
+def state_placement(model: str = "gpt2-124m", world: int = 8) -> Figure:
+    """MB of weights, gradients and Adam moments one rank holds in fp32 (4 + 4 + 8 bytes per
+    element it holds), for six ways of spreading `model` over `world` ranks: the element counts
+    from day 22's params_per_rank (one TP shard) and the model's parameter count."""
+    cfg = planner.MODELS[model]
+    tp, dp, node = 2, world // 2, world // 2
+    psi = num_params(cfg)
+    shard = formulas.params_per_rank(cfg, Layout(tp=tp, dp=dp), 0)  # one TP rank's elements
+    rows = [  # (label, elements of weights, of gradients, of Adam's moments) per rank
+        (f"DDP over {world}", psi, psi, psi),
+        (f"TP {tp} x DP {dp}", shard, shard, shard),
+        (f"TP {tp} x DP {dp} + ZeRO-1 (distopt.py)", shard, shard, shard / dp),
+        (f"FSDP2 over TP {tp} x DP {dp} (fsdp2_tp)", shard / dp, shard / dp, shard / dp),
+        (f"HSDP {world // node} x {node} (hsdp.py)", psi / node, psi / node, psi / node),
+        (f"FSDP over {world}", psi / world, psi / world, psi / world),
+    ]
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.subplots()
+    kinds = (("weights", 4), ("gradients", 4), ("Adam m, v", 8))
+    for i, (_, *elements) in enumerate(rows):
+        left = 0.0
+        for (kind, width), n, color in zip(kinds, elements, RANK_COLORS):
+            mb = width * n / 1e6
+            ax.barh(i, mb, left=left, color=color, label=kind if i == 0 else None)
+            left += mb
+        ax.text(left + 20, i, f"{left:,.0f} MB", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 16 * psi / 1e6 * 1.15)
+    ax.set_xlabel("MB of model state per rank (fp32)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{model} on {world} ranks: what one rank holds, by composition", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 # --- day 28: ZeRO-3 or TP + PP, the chart compare.py draws ---------------------------------------
 
 
@@ -330,6 +372,7 @@ FIGURES = {
     "zigzag": Drawing("day21_sp_cp/figures/zigzag.png", cp_chunks_figure),
     "grid": Drawing("day22_megatron/figures/grid.png", grid_layout),
     "ep_dispatch": Drawing("day22_megatron/figures/ep_dispatch.png", dispatch_figure),
+    "state_placement": Drawing("day22_megatron/figures/state_placement.png", state_placement),
     "trade_off": Drawing("day28_gpt125m/figures/trade_off.png", trade_off),
 }
 
