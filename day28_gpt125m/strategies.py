@@ -14,7 +14,7 @@
     tp_sp     the same stack with Megatron SP on TP (day 21), pp = 1
     ep        the same stack on an MoE GPT: experts over ep of the dp ranks, tokens by all-to-all
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
-    fsdp2_tp  our TP layers (day 19) over tp, fully_shard over dp: a (dp, tp) mesh, torchtitan's
+    fsdp2_tp  our TP layers (day 19) over tp, fully_shard over dp: torchtitan's (dp, tp) mesh
 
 Each strategy is a class in REGISTRY that says what it supports (model parallelism, --precision,
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it), in a module of
