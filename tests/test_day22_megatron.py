@@ -55,11 +55,8 @@ MEGATRON_LAYOUTS = {  # name -> train_megatron flags (world 4)
     "tp2-dp2": dict(tensor_model_parallel_size=2),
     "pp2-dp2": dict(pipeline_model_parallel_size=2),
     "tp2-pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-    "pp2-vpp2-dp2-distopt": dict(
-        pipeline_model_parallel_size=2,
-        num_layers_per_virtual_pipeline_stage=1,
-        use_distributed_optimizer=True,
-    ),
+    # (pp 2 x vpp 2 x dp 2 with the distributed optimizer: the registered megatron-vpp-distopt
+    # line checks it against one process)
     "tp2-sp-dp2-distopt": dict(
         tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
     ),
