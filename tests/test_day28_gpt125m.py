@@ -4,10 +4,11 @@ its model state is what fit.py predicts; the data pipeline feeds the rows dtl.da
 The strategies come from strategies.REGISTRY. 2-rank spawns run the data-parallel ones, torch's
 (ddp, fsdp2) in one and DeepSpeed's (zero2, zero3) in another; 4-rank spawns run the
 model-parallel ones, the course's tp_pp at tp 2 x pp 2, tp_sp at tp 2 x dp 2 with full
-activation recomputation and ep (tiny-moe) at ep 2 x dp 2, recomputed too, in one, megatron at
-tp 2 x pp 2 in another. Each trains the 8 steps whole; every strategy with checkpoints but tp_sp
-(its checkpoint is tp_pp's) trains them again, in a spawn of its own,
-cut in two (stop after step 4 with a checkpoint, resume in a fresh strategy, finish). A
+activation recomputation, ep (tiny-moe) at ep 2 x dp 2, recomputed too, and fsdp2_tp at tp 2 x
+dp 2 (with its planted twin, one step) in one, megatron at tp 2 x pp 2 in another. Each trains
+the 8 steps whole; every strategy with a checkpoint no other test covers (RESUMED_ELSEWHERE)
+trains them again, in a spawn of its own, cut in two (stop after step 4 with a checkpoint,
+resume in a fresh strategy, finish). A
 resumed run equal to one process over all 8 steps is an exact resume: any state lost at the cut
 shows in steps 5-8. The tests of a library's strategies skip without its extra; the others need
 none. Reference: the dtl GPT in one process (tiny-moe's: one forward per micro-batch of the
