@@ -181,13 +181,17 @@ class GatheredShards:
     def scatter_back(self, gpt: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """After a load: each gathered tensor cut into this rank's dp shard, into the FSDP2
         parameter and its AdamW state (created here for a fresh optimizer)."""
+        # where AdamW keeps its step counters: on the parameters' device when fused or
+        # capturable (a GPU run's fused AdamW), else on the host (not run on a GPU)
+        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
         with torch.no_grad():
             for name, p in gpt.named_parameters():
                 full = self.named[name]
                 p.to_local().copy_(_shard_like(full, p).to_local())
                 saved = self.optimizer.state[full]
+                step_device = p.device if on_device else torch.device("cpu")
                 optimizer.state[p] = {  # the moments shaped as p, sharded as p; the step whole
-                    k: (_shard_like(v, p) if v.shape == full.shape else v.clone())
+                    k: (_shard_like(v, p) if v.shape == full.shape else v.to(step_device).clone())
                     for k, v in saved.items()
                 }
 
