@@ -64,7 +64,6 @@ class ShardGroup:
     axes: tuple[str, ...]  # the axes the gradients are averaged over: the shard group
     group: dist.ProcessGroup | None  # None: nobody to share with (d = 1)
     size: int  # d
-    rank: int  # my index in the group: which slice is mine
     divisor: int  # what the summed slice is divided by: the ranks whose tokens reached it
     params: list[torch.nn.Parameter]
     flat: FlatBuffer  # the parameters' storage: each parameter is a view of it
@@ -107,7 +106,6 @@ class DistributedOptimizer:
             betas=optim.betas,
         )
         self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
 
     def _group(
         self,
@@ -135,7 +133,7 @@ class DistributedOptimizer:
         mine = slice(rank * n, (rank + 1) * n)
         shard = flat.data[mine]
         shard.grad = grads[mine]  # my averaged slice lands here: what AdamW reads
-        return ShardGroup(axes, group, size, rank, divisor, params, flat, grads, shard, mask[mine])
+        return ShardGroup(axes, group, size, divisor, params, flat, grads, shard, mask[mine])
 
     def reduce_scatter_gradients(self) -> int:
         """Each group's gradient buffer (P,) -> my averaged slice (P/d,), in my slice of the
@@ -202,12 +200,6 @@ class DistributedOptimizer:
     def padding(self) -> int:
         """Elements of padding over all groups (each flat to a multiple of its d)."""
         return sum(g.flat.padding for g in self.groups)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
 
 
 def padding_of(optimizer: object) -> int:

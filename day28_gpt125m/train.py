@@ -165,7 +165,8 @@ class Config:
 
     def _check_experts(self, kind: type[Strategy]) -> None:
         """An MoE model goes with a strategy that has experts, and its ep fits (day 22's rules)."""
-        err, moe = dtl_config.ConfigError, self.model_config().moe
+        err = dtl_config.ConfigError
+        moe = self.model_config().moe
         if self.ep > 1 and not kind.experts:
             raise err(f"--ep is for {', '.join(EXPERTS)}, not {self.strategy}")
         if kind.experts and moe is None:

@@ -223,7 +223,8 @@ def _check(run, reference, name):
 def _check_state(ranks, name):
     """Every rank's measured model state is its stage's prediction, to the byte; the fullest
     rank's is what fit.py sizes the run by."""
-    (tp, pp, ep), world, m = _sizes(name), _world(name), preset(_model(name))
+    tp, pp, ep = _sizes(name)
+    world, m = _world(name), preset(_model(name))
     for rank, run in enumerate(ranks):  # every rank: the last pipeline stage holds the head
         got = sum(run["state"].values())
         want = REGISTRY[name].predicted_rank_state(
