@@ -34,20 +34,18 @@ cannot see: dtl.simulate.CANNOT_SEE.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
 from day18_zero.formulas import comm_bytes_per_rank
 from day22_megatron import formulas, planner
 from day22_megatron.distopt import padding_of
-from day22_megatron.layouts import VOCAB_MULTIPLE, Layout
+from day22_megatron.layouts import Layout, tp_vocab
 from day22_megatron.planner import BF16
 from day22_megatron.stack import build_stack, forward_backward, stack_state_bytes, sync_gradients
 from day22_megatron.step_model import GB
 from dtl.comm import CommCounter
 from dtl.grid import ParallelGrid
-from dtl.model import pad_vocab_size
 from dtl.simulate import fake_world
 
 
@@ -119,10 +117,7 @@ def row(name: str, gpus: int, which: str, lay: Layout, best: dict, k: int) -> di
 def row_at(cfg, lay: Layout, best: dict, k: int) -> dict:
     """The stack at `lay` simulated on its fullest stage (k micro-batches, 0: pp) beside
     planner.py's row `best` for it (its b, m and bytes) and this stack's own formulas."""
-    if cfg.vocab_size % lay.tp:  # a vocabulary tp does not divide is padded as Megatron pads
-        # (to a multiple of VOCAB_MULTIPLE x tp); one it divides is kept, so that the simulated
-        # model, the formulas and planner.py count the same rows. Both hold the padded rows.
-        cfg = replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size, VOCAB_MULTIPLE, lay.tp))
+    cfg = tp_vocab(cfg, lay.tp)  # padded as Megatron pads where tp does not divide it
     stage = fullest_stage(cfg, lay)
     t0 = time.perf_counter()
     sim = simulate(cfg, lay, best["b"], k or lay.pp, stage)

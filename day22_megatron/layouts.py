@@ -11,13 +11,22 @@ outermost, as Megatron does); the global batch is dp x micro-batches x micro_bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtl.model import PRESETS, GPTConfig, pad_vocab_size, preset
 
 # Megatron's default --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of
 # this times tp, so that every TP rank holds the same number of embedding rows
 VOCAB_MULTIPLE = 128
+
+
+def tp_vocab(cfg: GPTConfig, tp: int) -> GPTConfig:
+    """`cfg` with a vocabulary tp ranks can split: kept when tp divides it (so that a simulated
+    model, the formulas and planner.py count the same rows), else padded as Megatron pads, to
+    a multiple of VOCAB_MULTIPLE x tp (the extra rows are never a target)."""
+    if cfg.vocab_size % tp == 0:
+        return cfg
+    return replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size, VOCAB_MULTIPLE, tp))
 
 
 def padded_preset(name: str, n_layer: int, vocab_multiple: int, tp: int) -> GPTConfig:

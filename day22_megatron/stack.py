@@ -120,8 +120,7 @@ def build_stack(
         raise LayoutError("the distributed optimizer runs on dense models here (no experts)")
     gpt = GPT(cfg, seed=seed)
     gpt.set_recompute(recompute)  # dtl.model: every block, so every stage's copy of it
-    if next(gpt.parameters()).device != torch.device(device):
-        gpt = gpt.to(device)  # (not called when already there: fake tensors cannot be swapped)
+    gpt = simulate.to_device(gpt, device)
     reduction = gpt_reductions(gpt, grid.axes)  # one-process names, before a layer changes them
     unplaced = reduction.unplaced(a for a in grid.axes if grid.group_size(a) > 1)
     if unplaced:  # a grid axis no record places: its ranks would never be reduced together

@@ -23,6 +23,7 @@ sharded.py says why), so FSDP2 here shards each TP rank's local tensors over dp,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +38,17 @@ from day22_megatron.distopt import counts_in_norm
 from day22_megatron.layouts import Layout
 from day24_checkpoint.ckpt import Checkpointer, Progress
 from day24_checkpoint.sharded import StackState
+from day28_gpt125m import sharded_tp_formulas as cost
 from day28_gpt125m.recipe import make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
+from dtl.comm import CommCounter
 from dtl.dist import norm_of_pieces
 from dtl.grid import ParallelGrid
 from dtl.model import GPT
 from dtl.optim import clip_coefficient, set_lr
 from dtl.reduction import gpt_reductions
+from dtl.simulate import item, to_device
 from dtl.state import live_state_bytes
 
 
@@ -55,6 +59,7 @@ class FSDP2TP(Strategy):
     name = "fsdp2_tp"
     model_parallel = True
     pipelines = False  # a (dp, tp) mesh: no pipeline here
+    counts_sent = True  # tp, dp and the norm's bytes in the last step, beside its formulas
     no_recompute = "--recompute is not checked with fsdp2_tp here; use tp_pp or fsdp2"
 
     @classmethod
@@ -65,11 +70,20 @@ class FSDP2TP(Strategy):
 
     def __init__(self, s: Setup):
         self.r, self.grid = s.recipe, s.grid
-        gpt = GPT(s.cfg, seed=s.seed).to(s.device)
+        gpt = to_device(GPT(s.cfg, seed=s.seed), s.device)
         gpt.set_recompute(s.recompute)
         table = gpt_reductions(gpt, s.grid.axes)  # one-process names, before TP changes them
         apply_tp(gpt, s.grid)  # every rank: its TP shard of each matrix (day 19), plain tensors
+        self.padded, self.root = cost.padded_counts(gpt, s.grid.dp_size)  # P', R' (formulas)
+        self.predicted_sent = cost.comm_bytes(
+            s.cfg, tp=s.grid.tp_size, dp=s.grid.dp_size, padded=self.padded, root=self.root,
+            micro_batch_size=s.micro_batch, microbatches=s.accum, seq_len=s.seq_len,
+        )  # fmt: skip
         dp_mesh = self.dp_mesh(s.grid, s.device.type)
+        # the groups of the axes the formulas count in forward and backward: TP's all-reduces,
+        # FSDP2's gathers and reduce-scatters (the mesh's first dimension). At tp 1 the dp group
+        # is the world, the norm's group too: the norm is counted apart (step)
+        self.axes = {"tp": s.grid.tp_group, "dp": dp_mesh.get_group(0)}
         for block in gpt.blocks.values():  # each block its own all-gather unit over dp
             fully_shard(block, mesh=dp_mesh)
         self.gpt = fully_shard(gpt, mesh=dp_mesh)  # the root: wte, wpe, ln_f (and the head)
@@ -86,14 +100,21 @@ class FSDP2TP(Strategy):
 
     def step(self, micro_batches, lr: float) -> tuple[float | None, float]:
         total, k = 0.0, len(micro_batches)
-        for i, (x, y) in enumerate(micro_batches):
-            self.gpt.set_requires_gradient_sync(i == k - 1)  # reduce-scatter once, at the end
-            with dtl_profile.range(dtl_profile.FORWARD):
-                loss = tp_loss(self.gpt, self.gpt(x), y) / k  # vocab-parallel cross-entropy
-            with dtl_profile.range(dtl_profile.BACKWARD):
-                loss.backward()
-            total += loss.item()
-        norm = self._clip(self.r.clip or None)
+        # the last step's bytes per axis are counted (kept out of the other steps)
+        passes, clipping = self._counter(), self._counter()
+        with passes:
+            for i, (x, y) in enumerate(micro_batches):
+                self.gpt.set_requires_gradient_sync(i == k - 1)  # reduce-scatter at the end
+                with dtl_profile.range(dtl_profile.FORWARD):
+                    loss = tp_loss(self.gpt, self.gpt(x), y) / k  # vocab-parallel cross-entropy
+                with dtl_profile.range(dtl_profile.BACKWARD):
+                    loss.backward()
+                total += item(loss)
+        with clipping:
+            norm = self._clip(self.r.clip or None)
+        if isinstance(passes, CommCounter) and isinstance(clipping, CommCounter):
+            self.last_sent = {a: passes.ring_bytes_on(g) for a, g in self.axes.items()}
+            self.last_sent["norm"] = clipping.ring_bytes_on(None)  # over the world
         set_lr(self.optimizer, lr)
         with dtl_profile.range(dtl_profile.OPTIMIZER):
             self.optimizer.step()  # AdamW on this rank's dp shard of its TP shard
@@ -103,6 +124,10 @@ class FSDP2TP(Strategy):
             )
         self.optimizer.zero_grad(set_to_none=True)
         return total, norm
+
+    def _counter(self) -> contextlib.AbstractContextManager:
+        """A CommCounter in the step whose state and bytes are measured, else nothing."""
+        return CommCounter() if self.measure_state else contextlib.nullcontext()
 
     @torch.no_grad()
     def _clip(self, max_norm: float | None) -> float:

@@ -67,10 +67,15 @@ class Strategy:
     support: Support = FP32_ONLY
     compile = False  # --compile wraps its model in torch.compile
     measures_state = True  # counts this rank's model-state bytes at the last step
+    counts_sent = False  # counts the bytes each axis sent in the last step (last_sent)
     suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
     no_checkpoints = ""  # why --resume / --save_every are refused ("" : they work)
     extras: tuple[str, ...] = ()  # the optional extras it imports; its tests skip without them
     last_state: StateBytes | None = None  # this rank's bytes of model state at the last step
+    # ring bytes this rank sent on each axis in the last step, and their formula, where the
+    # strategy counts them (dtl.comm.CommCounter)
+    last_sent: dict[str, float] | None = None
+    predicted_sent: dict[str, float] | None = None
     measure_state = False  # the loop sets it for the last step: counting is kept out of the rest
 
     def __init__(self, s: Setup):

@@ -386,6 +386,8 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         train=train,
         start=start,
         state=strategy.last_state,
+        sent=strategy.last_sent,
+        predicted_sent=strategy.predicted_sent,
     )
 
 

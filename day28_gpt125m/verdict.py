@@ -118,6 +118,12 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     dtl_dist.print0(
         f"summary: day28 {cfg.strategy} {cfg.model} on {info.world_size} ranks ({grid}): {verdict}"
     )
+    if result["sent"] is not None:  # a strategy that counts its bytes per axis: rank 0's
+        pairs = ", ".join(
+            f"{axis} {got:,.0f} B (formula {result['predicted_sent'][axis]:,.0f})"
+            for axis, got in result["sent"].items()
+        )
+        dtl_dist.print0(f"summary: bytes sent in the last step, rank 0, per axis: {pairs}")
     val = result["val_loss"] or 0.0  # rank 0 evaluates; print0 prints there
     dtl_dist.print0(
         f"summary: final loss {result['losses'][-1]:.4f}, val loss {val:.4f}; "

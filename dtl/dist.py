@@ -31,6 +31,7 @@ import torch.distributed.nn  # noqa: F401
 
 from dtl import profile
 from dtl.flat import FlatBuffer
+from dtl.simulate import item
 
 DEFAULT_TIMEOUT_S = 120  # a desync fails in two minutes instead of NCCL's default 10 (gloo: 30)
 
@@ -222,7 +223,7 @@ def norm_of_pieces(pieces: Iterable[torch.Tensor], group: dist.ProcessGroup | No
     for piece in pieces:
         sq += piece.detach().double().pow(2).sum().to(sq.device)
     dist.all_reduce(sq, group=group)
-    return sq.sqrt().item()
+    return item(sq.sqrt())  # nan under dtl.simulate's fake tensors: no value to read
 
 
 def average_gradients(

@@ -32,7 +32,7 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,17 @@ def item(t: torch.Tensor) -> float:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return float("nan") if isinstance(t, FakeTensor) else t.item()
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def to_device(module: M, device: torch.device | str) -> M:
+    """module.to(device), not called when its parameters are there already: fake_world's fake
+    parameters cannot be swapped, and a simulated rank builds its model where it runs."""
+    if next(module.parameters()).device != torch.device(device):
+        module = module.to(device)
+    return module
 
 
 class SimulateError(RuntimeError):

@@ -52,6 +52,13 @@ CASES = {
         (["--seq_len=0"], "'seq_len' must be an integer >= 1"),
         ([], "hsdp_scale.py runs as one process (--nproc_per_node=1)"),
     ],
+    "day22_megatron.placement": [
+        (["--models=gpt5"], "unknown model 'gpt5'"),
+        (["--ranks=8,x"], "ranks must be comma-separated integers"),
+        (["--ranks=6"], "ranks 6: a multiple of 2 x --tp = 4"),
+        (["--tp=5"], "--tp=5 does not divide the heads of every model"),
+        ([], "placement.py runs as one process (--nproc_per_node=1)"),
+    ],
     "day22_megatron.train_hsdp": [
         (["--replicas=3"], "--replicas=3 does not split 4 ranks into equal shard groups"),
         (["--replicas=0"], "--replicas=0 does not split 4 ranks"),
@@ -244,6 +251,13 @@ CASES = {
         (["--steps=0"], "'steps' must be an integer >= 1"),
         (["--model=x"], "unknown model 'x'"),
         (["--seq_len=100000"], "seq_len 100000 exceeds gpt2-124m's block_size"),  # once skipped
+    ],
+    "day28_gpt125m.sharded_tp_scale": [
+        (["--models=gpt5"], "unknown model 'gpt5'"),
+        (["--ranks=64,x"], "ranks must be comma-separated integers"),
+        (["--ranks=4"], "ranks 4: a multiple of --tp=4, with dp >= 2"),
+        (["--tp=5"], "--tp=5 does not divide the heads of every model"),
+        ([], "sharded_tp_scale.py runs as one process (--nproc_per_node=1)"),
     ],
     "day28_gpt125m.compare": [
         (["--models=x"], "unknown model(s) ['x']"),

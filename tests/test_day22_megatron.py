@@ -54,9 +54,8 @@ TOL = dict(losses=dict(rtol=1e-5, atol=0), grads=dict(rtol=0, atol=1e-6), params
 MEGATRON_LAYOUTS = {  # name -> train_megatron flags (world 4)
     "tp2-dp2": dict(tensor_model_parallel_size=2),
     "pp2-dp2": dict(pipeline_model_parallel_size=2),
-    "tp2-pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-    # (pp 2 x vpp 2 x dp 2 with the distributed optimizer: the registered megatron-vpp-distopt
-    # line checks it against one process)
+    # (tp 2 x pp 2: the registered megatron-tp2-pp2-sp line, SP on top; pp 2 x vpp 2 x dp 2
+    # with the distributed optimizer: the megatron-vpp-distopt line; each against one process)
     "tp2-sp-dp2-distopt": dict(
         tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
     ),

@@ -6,16 +6,16 @@ The strategies come from strategies.REGISTRY. 2-rank spawns run the data-paralle
 model-parallel ones, the course's tp_pp at tp 2 x pp 2, tp_sp at tp 2 x dp 2 with full
 activation recomputation, ep (tiny-moe) at ep 2 x dp 2, recomputed too, and fsdp2_tp at tp 2 x
 dp 2 (with its planted twin, one step) in one, megatron at tp 2 x pp 2 in another. Each trains
-the 8 steps whole; every strategy with a checkpoint no other test covers (RESUMED_ELSEWHERE)
-trains them again, in a spawn of its own, cut in two (stop after step 4 with a checkpoint,
+the 6 steps whole; every strategy with a checkpoint no other test covers (RESUMED_ELSEWHERE)
+trains them again, in a spawn of its own, cut in two (stop after step 3 with a checkpoint,
 resume in a fresh strategy, finish). A
-resumed run equal to one process over all 8 steps is an exact resume: any state lost at the cut
-shows in steps 5-8. The tests of a library's strategies skip without its extra; the others need
+resumed run equal to one process over all 6 steps is an exact resume: any state lost at the cut
+shows in steps 4-6. The tests of a library's strategies skip without its extra; the others need
 none. Reference: the dtl GPT in one process (tiny-moe's: one forward per micro-batch of the
 global batch, each with its own load-balancing loss, as the ranks run them), the recipe's AdamW
 (0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up + cosine schedule, on the same
 global batches. Tolerances:
-losses rtol 1e-5 (measured ~1e-7), parameters after 8 steps atol 1e-5 (measured 3e-7 to 8e-7).
+losses rtol 1e-5 (measured ~1e-7), parameters after 6 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
 import os
@@ -36,7 +36,7 @@ from dtl.data import DataError, get_batch
 from dtl.model import GPT, num_params, preset
 from dtl.testing import needs_extras, run_distributed, script_error
 
-STEPS, CUT = 8, 4
+STEPS, CUT = 6, 3
 # strategies whose checkpoint another test covers: not cut and resumed here
 RESUMED_ELSEWHERE = {
     "tp_sp": "tp_pp's Checkpointer over the same parameters and state: SP keeps no state",
@@ -144,15 +144,19 @@ def _runs(tmp, strategies, resumed: bool):
             r = train.run(cfg, info, grid)
             losses, norms = r["losses"], r["norms"]
         out[name] = dict(
-            losses=losses, norms=norms, full=r["full"], state=r["state"], pp_rank=grid.pp_rank
-        )
+            losses=losses, norms=norms, full=r["full"], state=r["state"], pp_rank=grid.pp_rank,
+            sent=r["sent"], predicted_sent=r["predicted_sent"],
+        )  # fmt: skip
     for label, (name, (owner, attribute, value)) in PLANTS.items():
         if name in strategies and not resumed:  # one step: its state is measured at the last
             with pytest.MonkeyPatch.context() as monkeypatch:
                 monkeypatch.setattr(owner, attribute, value)
                 cfg = _config(name, tmp, steps=1, out_dir=os.path.join(tmp, "planted"))
                 r = train.run(cfg, info, cfg.grid())
-            out[label] = dict(state=r["state"], pp_rank=cfg.grid().pp_rank)
+            out[label] = dict(
+                state=r["state"], pp_rank=cfg.grid().pp_rank, sent=r["sent"],
+                predicted_sent=r["predicted_sent"],
+            )  # fmt: skip
     return out
 
 
@@ -268,16 +272,31 @@ def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train
         _check(run, lambda _: one_forward, name)
 
 
+def _check_sent(ranks, name):
+    """Every rank's ring bytes per axis in the last step are the strategy's formulas."""
+    for rank, run in enumerate(ranks):
+        want = run["predicted_sent"]
+        assert run["sent"] == pytest.approx(want, rel=1e-12), f"{name} rank {rank}: {run['sent']}"
+
+
+@pytest.mark.parametrize("name", [n for n, kind in REGISTRY.items() if kind.counts_sent])
+def test_bytes_each_axis_sends_in_a_step_are_the_formulas_on_every_rank(name, tmp_path_factory):
+    _check_sent(_ranks(name, tmp_path_factory), name)
+
+
 @pytest.mark.parametrize("label", list(PLANTS))
-def test_a_planted_strategy_fails_the_state_check(label, tmp_path_factory):
+def test_a_planted_strategy_fails_the_state_and_bytes_checks(label, tmp_path_factory):
     name = PLANTS[label][0]
+    planted = _ranks(name, tmp_path_factory, entry=label)
     with pytest.raises(AssertionError):
-        _check_state(_ranks(name, tmp_path_factory, entry=label), name)
+        _check_state(planted, name)
+    with pytest.raises(AssertionError):
+        _check_sent(planted, name)
 
 
 @pytest.mark.parametrize("name", _cases(resumable=True))
 def test_strategies_cut_and_resumed_train_like_one_process(reference, name, tmp_path_factory):
-    """An exact resume: any state the checkpoint loses shows in steps 5-8."""
+    """An exact resume: any state the checkpoint loses shows in steps 4-6."""
     _check(_ranks(name, tmp_path_factory, resumed=True)[0], reference, name)
 
 

@@ -33,9 +33,8 @@ from day18_zero import formulas as zero
 from day19_tp import layout
 from day20_pp import schedules, timeline
 from day21_sp_cp.ring_attention import attention_work, imbalance, ring_pairs
-from day22_megatron import formulas, planner
+from day22_megatron import placement, planner
 from day22_megatron.dispatch_figure import dispatch_figure
-from day22_megatron.layouts import Layout
 from day28_gpt125m import compare
 from dtl.data import cp_chunks
 from dtl.grid import ParallelGrid
@@ -314,20 +313,11 @@ def grid_layout(tp: int = 2, cp: int = 2, dp: int = 2, pp: int = 2) -> Figure:
 
 def state_placement(model: str = "gpt2-124m", world: int = 8) -> Figure:
     """MB of weights, gradients and Adam moments one rank holds in fp32 (4 + 4 + 8 bytes per
-    element it holds), for six ways of spreading `model` over `world` ranks: the element counts
-    from day 22's params_per_rank (one TP shard) and the model's parameter count."""
+    element it holds), for six ways of spreading `model` over `world` ranks: day 22's
+    placement.py, the rows its table prints."""
     cfg = planner.MODELS[model]
-    tp, dp, node = 2, world // 2, world // 2
     psi = num_params(cfg)
-    shard = formulas.params_per_rank(cfg, Layout(tp=tp, dp=dp), 0)  # one TP rank's elements
-    rows = [  # (label, elements of weights, of gradients, of Adam's moments) per rank
-        (f"DDP over {world}", psi, psi, psi),
-        (f"TP {tp} x DP {dp}", shard, shard, shard),
-        (f"TP {tp} x DP {dp} + ZeRO-1 (distopt.py)", shard, shard, shard / dp),
-        (f"FSDP2 over TP {tp} x DP {dp} (fsdp2_tp)", shard / dp, shard / dp, shard / dp),
-        (f"HSDP {world // node} x {node} (hsdp.py)", psi / node, psi / node, psi / node),
-        (f"FSDP over {world}", psi / world, psi / world, psi / world),
-    ]
+    rows = [(p.label, p.weights, p.gradients, p.moments) for p in placement.placements(cfg, world)]
     fig = Figure(figsize=(10, 4.2))
     ax = fig.subplots()
     kinds = (("weights", 4), ("gradients", 4), ("Adam m, v", 8))
