@@ -1,5 +1,5 @@
-"""Day 28: ZeRO-3 or TP + PP? Predicted memory, communication and bubble for a model on a cluster,
-beside what this machine measured.
+"""Day 28: ZeRO-3, TP + PP or FSDP2 over TP? Predicted memory, communication and bubble for a
+model on a cluster, beside what this machine measured.
 
     torchrun --standalone --nproc_per_node=1 -m day28_gpt125m.compare
     python -m day28_gpt125m.compare --models=gpt-6.6b --gpus=16 --gpu_memory_gb=40
@@ -14,8 +14,12 @@ GPUs, two nodes of 8), per GPU, bf16 with fp32 optimizer state:
                                           over InfiniBand once N spans nodes
   TP + PP (+ DP), Megatron's settings     day 22's plan.py: every (tp, pp, dp), TP inside a node,
                                           SP, the distributed optimizer, 1F1B; its best layout
+  FSDP2 over TP (torchtitan's 2-D mesh)   TP t inside a node, FSDP over the N/t others: fit.py's
+                                          fsdp2_tp state (16P/dp + a block's TP shard), plan's
+                                          TP traffic, ZeRO-3's traffic on the TP shard; the
+                                          fastest t that fits
 A strategy fits when its memory is at most gpu_memory_gb x usable_memory_fraction (day 22's
-step_model.py sources the default). Both step times are one model, day 22's StepModel, its
+step_model.py sources the default). The step times are one model, day 22's StepModel, its
 assumptions on the command line (--mfu, --nvlink_gbs, --ib_gbs, --overlap_fraction): compute at
 an assumed MFU, stretched by the bubble, plus the traffic the schedule cannot hide (TP and PP on
 the critical path; ZeRO-3's and DP's collectives overlapped with compute, their excess exposed).
@@ -147,12 +151,63 @@ def tp_pp_row(name: str, gpus: int, cfg: Config) -> dict:
     )
 
 
+def fsdp2_tp_row(name: str, gpus: int, cfg: Config) -> dict:
+    """FSDP2 over TP (torchtitan's 2-D layout, day 28's fsdp2_tp): TP t inside a node, FSDP over
+    the other N/t ranks, no pipeline; of every t that divides the heads, the fastest that fits
+    (else the smallest). TP's all-reduces are plan.py's, on NVLink, on the critical path; FSDP's
+    traffic is ZeRO-3's on the TP shard (zero3_traffic_bytes: every micro-step gathers it twice
+    and reduce-scatters its gradients, as torchtitan's accumulation does), overlappable, over
+    InfiniBand once the dp group spans nodes. Memory: fit.py's fsdp2_tp row."""
+    model, (tokens, b) = MODELS[name], BATCH[name]
+    s, step = model.block_size, cfg.step_model()
+    rows = []
+    for lay in planner.layouts_of(model, gpus, cfg.gpus_per_node):
+        if lay.pp > 1 or lay.tp == 1:
+            continue  # a (dp, tp) mesh, TP on
+        plan_row = planner.evaluate(
+            model, lay, tokens=tokens, b=b, per_node=cfg.gpus_per_node, step=step
+        )  # its TP traffic, micro-batches and compute are fsdp2_tp's too
+        mb, m = plan_row["b"], plan_row["m"]
+        mem = fit.predicted_bytes(
+            model, "fsdp2_tp", world=gpus, tp=lay.tp, micro=mb, seq_len=s, precision="bf16"
+        )
+        shard = formulas.params_per_rank(model, lay, 0)  # one TP rank's parameters
+        dp_bytes = zero3_traffic_bytes(shard, lay.dp, m)
+        dp_s = step.link_s(dp_bytes, inside_node=gpus <= cfg.gpus_per_node)
+        compute = plan_row["compute_s"]
+        rows.append(
+            dict(
+                strategy="fsdp2_tp",
+                layout=f"tp{lay.tp}-dp{lay.dp}",
+                m=m,
+                memory_gb=mem["total"] / GB,
+                comm_gb=plan_row["tp_gb"] + dp_bytes / GB,
+                comm_s=plan_row["tp_s"] + dp_s,
+                bubble=0.0,
+                compute_s=compute,
+                step_s=step.step_s(compute, critical_s=plan_row["tp_s"], overlappable_s=dp_s),
+            )
+        )
+    fits = [r for r in rows if r["memory_gb"] <= cfg.usable_gb]
+    return min(fits, key=lambda r: r["step_s"]) if fits else min(rows, key=lambda r: r["memory_gb"])
+
+
+ROWS = (zero3_row, tp_pp_row, fsdp2_tp_row)  # each strategy's row, in the table's order
+# the figure's line per strategy: its colour, and where its points name their layout (an
+# offset in points; None: unnamed)
+STYLES = (
+    ("zero3", "tab:blue", None),
+    ("tp_pp", "tab:orange", (2, 4)),
+    ("fsdp2_tp", "tab:green", (2, -9)),
+)
+
+
 def compare(cfg: Config, sizes: list[int] | None = None) -> list[dict]:
-    """Both strategies' rows for every model of cfg on each cluster size (cfg.gpus by default)."""
+    """Every strategy's row for every model of cfg on each cluster size (cfg.gpus by default)."""
     rows = []
     for name in cfg.models.split(","):
         for gpus in sizes or _sizes(cfg.gpus):
-            for row in (zero3_row(name, gpus, cfg), tp_pp_row(name, gpus, cfg)):
+            for row in (make(name, gpus, cfg) for make in ROWS):
                 rows.append(
                     {"model": name, "gpus": gpus, **row, "fits": row["memory_gb"] <= cfg.usable_gb}
                 )
@@ -212,9 +267,9 @@ def figure(cfg: Config):
     axes = fig.subplots(2, len(names), squeeze=False)
     for col, name in enumerate(names):
         mem_ax, step_ax = axes[0][col], axes[1][col]
-        # each row kind, its colour, and whether its points name their layout (TP + PP's, picked
-        # by the plan, changes with N; ZeRO-3's is dp N)
-        for strategy, color, named in (("zero3", "tab:blue", False), ("tp_pp", "tab:orange", True)):
+        # each row kind, its colour, and whether its points name their layout (TP + PP's and
+        # FSDP2 over TP's, picked per N, change with N; ZeRO-3's is dp N)
+        for strategy, color, offset in STYLES:
             mine = [r for r in rows if r["model"] == name and r["strategy"] == strategy]
             gpus = [r["gpus"] for r in mine]
             for ax, key in ((mem_ax, "memory_gb"), (step_ax, "step_s")):
@@ -227,15 +282,14 @@ def figure(cfg: Config):
                         color=color,
                         markerfacecolor=color if r["fits"] else "white",
                     )
-            if named:
-                for r in mine:
-                    mem_ax.annotate(
-                        r["layout"],
-                        (r["gpus"], r["memory_gb"]),
-                        fontsize=6,
-                        xytext=(2, 4),
-                        textcoords="offset points",
-                    )
+            for r in mine if offset else ():
+                mem_ax.annotate(
+                    r["layout"],
+                    (r["gpus"], r["memory_gb"]),
+                    fontsize=6,
+                    xytext=offset,
+                    textcoords="offset points",
+                )
         compute = [r["compute_s"] for r in rows if r["model"] == name and r["strategy"] == "zero3"]
         step_ax.plot(sizes, compute, ":", color="gray", label="compute alone")
         mem_ax.axhline(cfg.usable_gb, color="red", ls="--", label=f"usable {cfg.usable_gb:.1f} GB")
@@ -289,15 +343,16 @@ def main(argv: list[str] | None = None) -> None:
         plot(cfg, os.path.join(cfg.out_dir, "compare.png"))
     for name in cfg.models.split(","):
         for gpus in _sizes(cfg.gpus):
-            pair = {r["strategy"]: r for r in rows if r["model"] == name and r["gpus"] == gpus}
-            fitting = [s for s, r in pair.items() if r["fits"]]
-            faster = min(fitting, key=lambda s: pair[s]["step_s"]) if fitting else "neither fits"
-            z, t = pair["zero3"], pair["tp_pp"]
+            mine = [r for r in rows if r["model"] == name and r["gpus"] == gpus]
+            fitting = [r for r in mine if r["fits"]]
+            faster = min(fitting, key=lambda r: r["step_s"])["strategy"] if fitting else "none fits"
+            each = ", ".join(
+                f"{r['strategy']} {r['layout']} {r['memory_gb']:.1f} GB/GPU {r['step_s']:.3g} s"
+                for r in mine
+            )
             dtl_dist.print0(
-                f"summary: day28 compare {name} on {gpus} GPUs: zero3 "
-                f"{z['memory_gb']:.1f} GB/GPU, {t['layout']} {t['memory_gb']:.1f} GB/GPU; "
-                f"faster by the model: {faster} (zero3 {z['step_s']:.3g} s, {t['layout']} "
-                f"{t['step_s']:.3g} s per step; {cfg.usable_gb:.1f} GB usable)"
+                f"summary: day28 compare {name} on {gpus} GPUs: {each}; faster by the model: "
+                f"{faster} ({cfg.usable_gb:.1f} GB usable)"
             )
     dtl_dist.cleanup()
 

@@ -168,9 +168,9 @@ def test_every_script_answers_help_before_any_process_group(module):
 def test_a_launch_line_that_times_out_leaves_no_workers_behind(prewarmed):
     lesson = next(x for x in LESSONS if x.day == 15)
     run = next(r for r in lesson.runs if r.name == "ddp_mnist")
-    slow = registry.Run(run.name, run.cpu, run.gpu, run.expect, timeout_s=8)
+    slow = registry.Run(run.name, run.cpu, run.gpu, run.expect, timeout_s=5)
     result = registry.execute(lesson, slow, prewarmed=prewarmed)
-    assert result.returncode == 124 and "[timed out after 8 s]" in result.output
+    assert result.returncode == 124 and "[timed out after 5 s]" in result.output
     for _ in range(20):  # torchrun's workers live in their own sessions: they must be gone too
         alive = subprocess.run(["pgrep", "-f", "day15_collectives.ddp_mnist"], capture_output=True)
         if alive.returncode == 1:
