@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from day19_tp.formulas import block_params
+from day22_megatron import hsdp
 from day24_checkpoint.ckpt import AppState, Checkpointer, Progress
 from day28_gpt125m.recipe import AUTOCAST, autocast, make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
@@ -111,7 +110,7 @@ class DDP(TorchData):
     name = "ddp"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, precision="fp32"):
         return 16 * num_params(m), 0.0  # 4 param + 4 grad + 8 Adam, on every rank (day 18)
 
     def wrap(self, gpt, device):
@@ -128,15 +127,22 @@ class DDP(TorchData):
 class FSDP2(TorchData):
     name = "fsdp2"
     suggested_when_short = True
+    replicates = True  # --replicas=r: HSDP, sharded over world / r ranks, replicated r times
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
-        return 16 * num_params(m) / world, 4 * block_params(m, 1)  # + the largest block, full
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, precision="fp32"):
+        shard = world // replicas  # the ranks each parameter is cut over
+        return 16 * num_params(m) / shard, 4 * block_params(m, 1)  # + the largest block, full
+
+    def __init__(self, s: Setup):
+        self.replicas = s.replicas
+        super().__init__(s)
 
     def wrap(self, gpt, device):
         # the run's device type, said: FSDP2's default mesh is torch's accelerator (CUDA on any
-        # GPU machine), which under gloo would shard onto cuda:0 beside CPU batches
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+        # GPU machine), which under gloo would shard onto cuda:0 beside CPU batches. A
+        # (replicate, shard) mesh (day 22's hsdp.py): at replicas 1, FSDP over every rank
+        mesh = hsdp.hsdp_mesh(self.replicas, device.type)
         for block in gpt.blocks.values():  # bottom-up: each block its own all-gather unit
             fully_shard(block, mesh=mesh)
         return fully_shard(gpt, mesh=mesh)  # gpt itself, its parameters now this rank's shards

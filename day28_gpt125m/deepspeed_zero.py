@@ -47,7 +47,7 @@ class DeepSpeedZero(Strategy):
     no_recompute = "--recompute is not wired for DeepSpeed here (untested); use ddp, fsdp2, tp_pp"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, precision="fp32"):
         # day 18's table: DeepSpeed keeps an fp32 master beside fp32 parameters too
         held = PRECISIONS[precision].with_fp32_master()
         psi = num_params(m)

@@ -7,7 +7,7 @@ Model state per rank, Ψ parameters, N = world ranks, fp32 (bf16 autocast keeps 
 from the days that measured each: resident (the partitions a rank keeps) + gathered (what it holds
 full while a step runs), each strategy's own predicted_state (its class in REGISTRY):
     ddp        16Ψ: 4 param + 4 grad + 8 Adam (day 18's table)               + 0
-    fsdp2      16Ψ/N                                                          + the largest block
+    fsdp2      16Ψ/N; 16Ψ/(N/r) as HSDP over r replicas                       + the largest block
     zero2      4Ψ + 16Ψ/N: parameters whole, the rest sharded, fp32 master    + 0
                (day 18); 2Ψ + 14Ψ/N in bf16
     zero3      20Ψ/N: DeepSpeed keeps an fp32 master beside fp32 parameters   + every parameter
@@ -70,6 +70,7 @@ def predicted_bytes(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    replicas: int = 1,
     micro: int = 1,
     seq_len: int = 1024,
     precision: str = "fp32",
@@ -79,7 +80,7 @@ def predicted_bytes(
     m = cfg.model_config() if hasattr(cfg, "model_config") else cfg
     kind = REGISTRY[strategy]  # each strategy predicts its own state (its class)
     resident, gathered = kind.predicted_state(
-        m, world=world, tp=tp, pp=pp, ep=ep, precision=precision
+        m, world=world, tp=tp, pp=pp, ep=ep, replicas=replicas, precision=precision
     )
     t = tp if kind.model_parallel else 1
     acts = formulas.activation_bytes(m, seq_len, micro, t, precision)  # day 22's count
@@ -94,7 +95,8 @@ def check(cfg) -> None:
     have = device_bytes(dtl_dist.local_world_size() if "WORLD_SIZE" in os.environ else cfg.world)
     kw = dict(world=cfg.world, micro=cfg.micro_batch_size, seq_len=cfg.seq_len)
     own = dict(kw, precision=cfg.runs_precision)
-    need = predicted_bytes(cfg, cfg.strategy, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, **own)
+    sizes = dict(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, replicas=cfg.replicas)
+    need = predicted_bytes(cfg, cfg.strategy, **sizes, **own)
     if need["total"] <= have:
         return
     others = {

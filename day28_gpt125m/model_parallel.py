@@ -50,12 +50,14 @@ class Pipelined(Strategy):
     distributed_optimizer = False
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, precision="fp32"):
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         return fullest_stage(m, lay, distopt=cls.distributed_optimizer), 0.0
 
     @classmethod
-    def predicted_rank_state(cls, m, *, world, tp=1, pp=1, ep=1, pp_rank=0, precision="fp32"):
+    def predicted_rank_state(
+        cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, pp_rank=0, precision="fp32"
+    ):
         lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
         return stage_state(m, lay, pp_rank, distopt=cls.distributed_optimizer)
 

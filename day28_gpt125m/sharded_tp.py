@@ -63,7 +63,7 @@ class FSDP2TP(Strategy):
     no_recompute = "--recompute is not checked with fsdp2_tp here; use tp_pp or fsdp2"
 
     @classmethod
-    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, precision="fp32"):
+    def predicted_state(cls, m, *, world, tp=1, pp=1, ep=1, replicas=1, precision="fp32"):
         lay = Layout(tp=tp, dp=world // tp)
         tp_rank = sum(formulas.state_bytes(m, lay, 0).values())  # a TP rank's 16 bytes a param
         return tp_rank / lay.dp, formulas.FP32 * block_params(m, tp)  # + one block, gathered

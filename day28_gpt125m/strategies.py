@@ -56,6 +56,7 @@ from dtl.precision import PRECISIONS
 STRATEGIES = tuple(REGISTRY)  # what --strategy takes
 MODEL_PARALLEL = tuple(n for n, c in REGISTRY.items() if c.model_parallel)  # take --tp, --pp
 EXPERTS = tuple(n for n, c in REGISTRY.items() if c.experts)  # train an MoE model, take --ep
+REPLICATES = tuple(n for n, c in REGISTRY.items() if c.replicates)  # take --replicas (HSDP)
 # --precision=p is applied by APPLIES[p] (on some device); the others run fp32
 APPLIES = {p: tuple(n for n, c in REGISTRY.items() if p in c.support.devices) for p in PRECISIONS}
 COMPILE = tuple(n for n, c in REGISTRY.items() if c.compile)  # wrap in torch.compile

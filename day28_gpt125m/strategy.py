@@ -38,6 +38,7 @@ class Setup:
     seed: int
     steps: int  # optimizer steps of the whole run (a scheduler's length)
     recompute: str = "none"  # dtl.model's set_recompute
+    replicas: int = 1  # HSDP (a strategy that `replicates`): shard groups of world / replicas
 
 
 # What a strategy that applies no precision of its own trains in
@@ -68,6 +69,9 @@ class Strategy:
     compile = False  # --compile wraps its model in torch.compile
     measures_state = True  # counts this rank's model-state bytes at the last step
     counts_sent = False  # counts the bytes each axis sent in the last step (last_sent)
+    # takes --replicas > 1: HSDP, its state sharded over world / replicas ranks and replicated
+    # over `replicas` groups of them (day 22's hsdp.py)
+    replicates = False
     suggested_when_short = False  # named by fit.check when the chosen strategy does not fit
     no_checkpoints = ""  # why --resume / --save_every are refused ("" : they work)
     extras: tuple[str, ...] = ()  # the optional extras it imports; its tests skip without them
@@ -91,11 +95,13 @@ class Strategy:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        replicas: int = 1,
         precision: str = "fp32",
     ) -> tuple[float, float]:
         """(resident, gathered) model-state bytes per rank: the partitions a rank keeps, and
         what it holds full while a step runs (fit.py's table). `ep`: expert-parallel ranks
-        (a strategy with `experts`; the others train dense models and ignore it)."""
+        (a strategy with `experts`; the others train dense models and ignore it); `replicas`:
+        HSDP's replica groups (a strategy that `replicates`; the others ignore it)."""
         raise NotImplementedError
 
     @classmethod
@@ -107,13 +113,15 @@ class Strategy:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        replicas: int = 1,
         pp_rank: int = 0,
         precision: str = "fp32",
     ) -> float:
         """The resident model-state bytes of the ranks at pipeline position `pp_rank` (the
         same on every rank unless the strategy pipelines: then the first stage holds the
         embedding, the last the head). fit.py sizes by the fullest; the tests check each."""
-        return cls.predicted_state(m, world=world, tp=tp, pp=pp, ep=ep, precision=precision)[0]
+        sizes = dict(world=world, tp=tp, pp=pp, ep=ep, replicas=replicas)
+        return cls.predicted_state(m, **sizes, precision=precision)[0]
 
     @classmethod
     def runs_in(cls, precision: str, device_type: str) -> str:

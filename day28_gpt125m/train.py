@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from day22_megatron import hsdp
 from day22_megatron.ep import data_rank
 from day22_megatron.layouts import VOCAB_MULTIPLE, Layout, LayoutError, check_experts, padded_preset
 from day22_megatron.stack import grid_for
@@ -49,6 +50,7 @@ from day28_gpt125m.strategies import (
     EXPERTS,
     MODEL_PARALLEL,
     REGISTRY,
+    REPLICATES,
     STRATEGIES,
     Setup,
     Strategy,
@@ -83,6 +85,7 @@ class Config:
     tp: int = 1  # tensor-parallel size (tp_pp, tp_sp, ep, megatron)
     pp: int = 1  # pipeline-parallel size (tp_pp, ep, megatron); dp = world / (tp x pp)
     ep: int = 1  # expert-parallel size (ep): each MoE layer's experts over ep of the dp ranks
+    replicas: int = 1  # fsdp2: HSDP, sharded over world / replicas ranks, replicated (1: FSDP)
     # activation recomputation, dtl.model's set_recompute: none | selective | full
     recompute: Recompute = "none"
     micro_batch_size: int = 2  # sequences per micro-batch per DP rank
@@ -204,6 +207,12 @@ class Config:
         kind = REGISTRY[self.strategy]
         if self.pp > 1 and not kind.pipelines:
             raise err(f"{self.strategy} runs without a pipeline (pp = 1); for pp > 1 use tp_pp")
+        if self.replicas > 1 and not kind.replicates:
+            raise err(f"--replicas is for {', '.join(REPLICATES)}, not {self.strategy}")
+        try:
+            hsdp.check_replicas(self.replicas, self.world)
+        except ValueError as e:
+            raise err(str(e)) from None
         if kind.sequence_parallel and self.tp < 2:
             raise err(f"{self.strategy} needs --tp > 1: SP splits what TP keeps whole")
         if self.recompute != "none" and kind.no_recompute:
@@ -292,6 +301,7 @@ def run(cfg: Config, info, grid: ParallelGrid) -> dict:
         seed=cfg.seed,
         steps=cfg.steps,
         recompute=cfg.recompute,
+        replicas=cfg.replicas,
     )
     strategy = build(cfg.strategy, setup)
     if cfg.compile and cfg.strategy in COMPILE:
@@ -401,9 +411,11 @@ def main(argv: list[str] | None = None) -> None:
     info = dtl_dist.init()
     grid = cfg.grid()
     dtl_config.save(cfg, cfg.out_dir, argv)
+    hsdp_mesh = f" (HSDP: {cfg.replicas} replicas x {cfg.world // cfg.replicas} shards)"
     dtl_dist.print0(
-        f"grid: {grid}; {cfg.accum} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} "
-        f"tokens per DP rank per step, {cfg.global_batch_size * cfg.seq_len:,} tokens per step"
+        f"grid: {grid}{hsdp_mesh if cfg.replicas > 1 else ''}; {cfg.accum} micro-batches of "
+        f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per DP rank per step, "
+        f"{cfg.global_batch_size * cfg.seq_len:,} tokens per step"
     )
     result = run(cfg, info, grid)
     dtl_dist.finish(verdict.report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed

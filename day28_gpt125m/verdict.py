@@ -16,6 +16,7 @@ import os
 from typing import Protocol
 
 from day28_gpt125m.recipe import Recipe, lr_at
+from day28_gpt125m.strategies import REGISTRY
 from dtl import dist as dtl_dist
 from dtl.grid import ParallelGrid
 from dtl.metrics import mfu, peak_flops
@@ -30,6 +31,8 @@ class Config(Protocol):
     model: str
     tp: int
     pp: int
+    ep: int
+    replicas: int
     seq_len: int
     global_batch_size: int
     steps: int
@@ -118,6 +121,15 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
     dtl_dist.print0(
         f"summary: day28 {cfg.strategy} {cfg.model} on {info.world_size} ranks ({grid}): {verdict}"
     )
+    if result["state"]:  # rank 0's model state against its prediction (fit.py's formulas)
+        sizes = dict(world=info.world_size, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, replicas=cfg.replicas)
+        want = REGISTRY[cfg.strategy].predicted_rank_state(
+            cfg.model_config(), **sizes, pp_rank=grid.pp_rank, precision=cfg.runs_precision
+        )
+        dtl_dist.print0(
+            f"summary: model state, rank 0: {sum(result['state'].values()) / 1e6:.4f} MB "
+            f"(predicted {want / 1e6:.4f} MB)"
+        )
     if result["sent"] is not None:  # a strategy that counts its bytes per axis: rank 0's
         pairs = ", ".join(
             f"{axis} {got:,.0f} B (formula {result['predicted_sent'][axis]:,.0f})"

@@ -5,17 +5,17 @@ The strategies come from strategies.REGISTRY. 2-rank spawns run the data-paralle
 (ddp, fsdp2) in one and DeepSpeed's (zero2, zero3) in another; 4-rank spawns run the
 model-parallel ones, the course's tp_pp at tp 2 x pp 2, tp_sp at tp 2 x dp 2 with full
 activation recomputation, ep (tiny-moe) at ep 2 x dp 2, recomputed too, and fsdp2_tp at tp 2 x
-dp 2 (with its planted twin, one step) in one, megatron at tp 2 x pp 2 in another. Each trains
-the 6 steps whole; every strategy with a checkpoint no other test covers (RESUMED_ELSEWHERE)
-trains them again, in a spawn of its own, cut in two (stop after step 3 with a checkpoint,
-resume in a fresh strategy, finish). A
-resumed run equal to one process over all 6 steps is an exact resume: any state lost at the cut
-shows in steps 4-6. The tests of a library's strategies skip without its extra; the others need
-none. Reference: the dtl GPT in one process (tiny-moe's: one forward per micro-batch of the
-global batch, each with its own load-balancing loss, as the ranks run them), the recipe's AdamW
-(0.9, 0.95), decay on matrices, clipping at 1.0 and the warm-up + cosine schedule, on the same
-global batches. Tolerances:
-losses rtol 1e-5 (measured ~1e-7), parameters after 6 steps atol 1e-5 (measured 3e-7 to 8e-7).
+dp 2 (with its planted twin, one step) and fsdp2 as HSDP (2 replicas x 2 shards) in one,
+megatron at tp 2 x pp 2 in another. Every strategy with a checkpoint no other test covers
+(RESUMED_ELSEWHERE) trains its 6 steps cut in two (stop after step 3 with a checkpoint, resume in
+a fresh strategy, finish), the others whole, the two kinds in separate spawns: a run cut in two
+that equals one process over all 6 steps trains right and resumes exactly (any state lost at
+the cut shows in steps 4-6), so it is not trained whole as well. The tests of a library's
+strategies skip without its extra; the others need none. Reference: the dtl GPT in one process
+(tiny-moe's: one forward per micro-batch of the global batch, each with its own load-balancing
+loss, as the ranks run them), the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0
+and the warm-up + cosine schedule, on the same global batches. Tolerances: losses rtol 1e-5
+(measured ~1e-7), parameters after 6 steps atol 1e-5 (measured 3e-7 to 8e-7).
 """
 
 import os
@@ -67,7 +67,7 @@ def _world(strategy) -> int:
     return 4 if REGISTRY[strategy].model_parallel else 2
 
 
-def _cases(*, model_parallel=None, libraries=None, measured=False, resumable=False) -> list:
+def _cases(*, model_parallel=None, libraries=None, measured=False) -> list:
     """The registered strategies of one kind (None: either), each marked with the extras it
     imports: DeepSpeed's and megatron-core's apart, so that torch's and the course's own run
     without them."""
@@ -77,7 +77,6 @@ def _cases(*, model_parallel=None, libraries=None, measured=False, resumable=Fal
         if model_parallel in (None, kind.model_parallel)
         and libraries in (None, bool(kind.extras))
         and (kind.measures_state or not measured)
-        and (n in RESUMABLE or not resumable)
     ]
 
 
@@ -115,6 +114,11 @@ def _all_reduce_mesh(grid, device_type):
     return mesh[("dp", "one")]
 
 
+# label -> (strategy, its world, train.Config fields): a strategy at another setting, trained in
+# the spawn of that world whole and cut in two, checked as the strategies are
+VARIANTS = {"fsdp2 as HSDP, 2 replicas x 2 shards": ("fsdp2", 4, dict(replicas=2))}
+
+
 # label -> (strategy, (class, attribute, planted value)): run in the strategy's spawn, one step
 PLANTS = {
     "fsdp2_tp, an all-reduce on the shard axis": (
@@ -130,25 +134,27 @@ def _runs(tmp, strategies, resumed: bool):
     strategy, finished; its losses must still be the one-process run's."""
     info = dtl_dist.init()
     out = {}
-    for name in strategies:
+    for entry in strategies:  # a strategy's name, or a VARIANTS label
+        name, _, fields = VARIANTS.get(entry, (entry, 0, {}))
+        fields = dict(fields, out_dir=os.path.join(tmp, entry.replace(" ", "-")))
         if resumed:
-            ckpt = os.path.join(tmp, f"ck-{name}")
-            cut = _config(name, tmp, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
+            ckpt = os.path.join(tmp, f"ck-{entry}")
+            cut = _config(name, tmp, **fields, save_every=CUT, stop_at=CUT, ckpt_dir=ckpt)
             grid = cut.grid()
             first = train.run(cut, info, grid)
-            r = train.run(_config(name, tmp, resume=True, ckpt_dir=ckpt), info, grid)
+            r = train.run(_config(name, tmp, **fields, resume=True, ckpt_dir=ckpt), info, grid)
             losses, norms = first["losses"] + r["losses"], first["norms"] + r["norms"]
         else:
-            cfg = _config(name, tmp)
+            cfg = _config(name, tmp, **fields)
             grid = cfg.grid()
             r = train.run(cfg, info, grid)
             losses, norms = r["losses"], r["norms"]
-        out[name] = dict(
+        out[entry] = dict(
             losses=losses, norms=norms, full=r["full"], state=r["state"], pp_rank=grid.pp_rank,
             sent=r["sent"], predicted_sent=r["predicted_sent"],
         )  # fmt: skip
     for label, (name, (owner, attribute, value)) in PLANTS.items():
-        if name in strategies and not resumed:  # one step: its state is measured at the last
+        if name in strategies:  # one step: its state is measured at the last
             with pytest.MonkeyPatch.context() as monkeypatch:
                 monkeypatch.setattr(owner, attribute, value)
                 cfg = _config(name, tmp, steps=1, out_dir=os.path.join(tmp, "planted"))
@@ -163,19 +169,26 @@ def _runs(tmp, strategies, resumed: bool):
 _SPAWNS: dict = {}  # (world, extras, resumed) -> every rank's results of that spawn, or its error
 
 
-def _ranks(name, tmp_path_factory, resumed: bool = False, entry: str = "") -> list[dict]:
-    """Every rank's run of `name`, whole or cut and resumed. The strategies of one world that
-    import the same extras (torch's ddp and fsdp2; tp_pp and tp_sp; DeepSpeed's; megatron-core's)
-    train in one spawn, started by the first test that asks, in its own body: a strategy that
-    raises fails the tests of its spawn, with its traceback, and no other. The cut runs spawn
-    apart, so that a broken checkpoint fails the resume tests only. `entry`: another result of
-    the same spawn (a PLANTS label)."""
-    key = (_world(name), REGISTRY[name].extras, resumed)
+def _entries() -> dict[str, tuple[str, int]]:
+    """Every run the spawns train: a strategy's name or a VARIANTS label -> (strategy, world)."""
+    runs = {n: (n, _world(n)) for n in REGISTRY}
+    return runs | {label: (n, world) for label, (n, world, _) in VARIANTS.items()}
+
+
+def _ranks(name, tmp_path_factory, entry: str = "") -> list[dict]:
+    """Every rank's run of `name` (cut and resumed if it is RESUMABLE, else whole). The runs of
+    one world that import the same extras (tp_pp, tp_sp, ep and fsdp2_tp; DeepSpeed's;
+    megatron-core's) and are cut alike train in one spawn, started by the first test that asks,
+    in its own body: a strategy that raises fails the tests of its spawn, with its traceback,
+    and no other. `entry`: another result (a VARIANTS or PLANTS label)."""
+    world = VARIANTS[entry][1] if entry in VARIANTS else _world(name)
+    resumed = name in RESUMABLE
+    key = (world, REGISTRY[name].extras, resumed)
     if key not in _SPAWNS:
         group = [
-            n
-            for n in (RESUMABLE if resumed else REGISTRY)
-            if (_world(n), REGISTRY[n].extras) == key[:2]
+            label
+            for label, (n, w) in _entries().items()
+            if (w, REGISTRY[n].extras, n in RESUMABLE) == key
         ]
         tmp = str(tmp_path_factory.mktemp(f"d28w{key[0]}"))
         try:
@@ -224,19 +237,18 @@ def _check(run, reference, name):
     assert gap <= 1e-5, f"{name}: parameters {gap:.1e} from one process"
 
 
-def _check_state(ranks, name):
+def _check_state(ranks, name, world=0, replicas=1):
     """Every rank's measured model state is its stage's prediction, to the byte; the fullest
-    rank's is what fit.py sizes the run by."""
+    rank's is what fit.py sizes the run by. `world`, `replicas`: a variant's (VARIANTS)."""
     tp, pp, ep = _sizes(name)
-    world, m = _world(name), preset(_model(name))
+    sizes = dict(world=world or _world(name), tp=tp, pp=pp, ep=ep, replicas=replicas)
+    m = preset(_model(name))
     for rank, run in enumerate(ranks):  # every rank: the last pipeline stage holds the head
         got = sum(run["state"].values())
-        want = REGISTRY[name].predicted_rank_state(
-            m, world=world, tp=tp, pp=pp, ep=ep, pp_rank=run["pp_rank"]
-        )
+        want = REGISTRY[name].predicted_rank_state(m, **sizes, pp_rank=run["pp_rank"])
         assert got == want, f"{name} rank {rank}: {got:,} vs {want:,.0f}"  # to the byte
     fullest = max(sum(r["state"].values()) for r in ranks)  # what fit.py sizes by
-    want = fit.predicted_bytes(m, name, world=world, tp=tp, pp=pp, ep=ep)["resident"]
+    want = fit.predicted_bytes(m, name, **sizes)["resident"]
     assert fullest == want, f"{name}: fullest {fullest:,} vs {want:,.0f}"
 
 
@@ -255,6 +267,19 @@ def test_deepspeed_and_megatron_core_strategies_train_like_one_process(
     reference, name, tmp_path_factory
 ):
     _check(_ranks(name, tmp_path_factory)[0], reference, name)
+
+
+@pytest.mark.parametrize("label", list(VARIANTS))
+def test_variants_train_like_one_process_and_hold_their_predicted_state(
+    reference, label, tmp_path_factory
+):
+    """HSDP (fsdp2 with --replicas=2 on 4 ranks), cut in two and resumed as fsdp2 is: one
+    process's losses, norms and parameters; each rank holds 1/2 of the state, not FSDP's 1/4 (a
+    wrap that ignores --replicas fails)."""
+    name, world, fields = VARIANTS[label]
+    ranks = _ranks(name, tmp_path_factory, entry=label)
+    _check(ranks[0], reference, name)
+    _check_state(ranks, name, world=world, **fields)
 
 
 def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train(
@@ -292,12 +317,6 @@ def test_a_planted_strategy_fails_the_state_and_bytes_checks(label, tmp_path_fac
         _check_state(planted, name)
     with pytest.raises(AssertionError):
         _check_sent(planted, name)
-
-
-@pytest.mark.parametrize("name", _cases(resumable=True))
-def test_strategies_cut_and_resumed_train_like_one_process(reference, name, tmp_path_factory):
-    """An exact resume: any state the checkpoint loses shows in steps 4-6."""
-    _check(_ranks(name, tmp_path_factory, resumed=True)[0], reference, name)
 
 
 @pytest.mark.parametrize("name", _cases(model_parallel=False, libraries=False, measured=True))
@@ -415,6 +434,8 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
             "--tp/--pp are for tp_pp, tp_sp, ep, megatron, fsdp2_tp",
         ),
         (["--strategy=tp_pp", "--ep=2"], "4", "--ep is for ep, not tp_pp"),
+        (["--strategy=ddp", "--replicas=2"], "4", "--replicas is for fsdp2, not ddp"),
+        (["--replicas=3"], "4", "--replicas=3 does not split 4 ranks into equal shard groups"),
         (["--strategy=ep", "--ep=2"], "4", "ep trains a mixture of experts; tiny is dense"),
         (
             ["--model=tiny-moe"],
