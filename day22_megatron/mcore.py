@@ -11,6 +11,7 @@ both build from here. megatron-core's parallel_state must exist first (dtl.megat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -198,3 +199,37 @@ def state_bytes(parts: Parts) -> StateBytes:
         grads=grads,
         optim=optimizer_state_bytes(inner, counters=False),
     )
+
+
+# megatron-core's buffer layout under its distributed optimizer (param_and_grad_buffer.py): each
+# parameter starts at a multiple of 64 elements (128-byte aligned), each bucket ends at a
+# multiple of lcm(d, 128) (256-byte aligned, and split evenly over the d ranks)
+PARAM_ALIGN, BUCKET_ALIGN = 64, 128
+
+
+def distopt_buffer_elements(numels: list[int], dp: int) -> int:
+    """The elements of one megatron-core bucket holding parameters of `numels` elements, in
+    the buffer's order (megatron lays a model's parameters out in reverse), under the
+    distributed optimizer over `dp` ranks: the rule above, parameter by parameter."""
+    end = 0
+    for n in numels:
+        end = math.ceil(end / PARAM_ALIGN) * PARAM_ALIGN + n
+    unit = math.lcm(dp, BUCKET_ALIGN)
+    return math.ceil(end / unit) * unit
+
+
+def buffers(parts: Parts) -> list:
+    """megatron-core DDP's dense buffers (one per dtype), over this rank's chunks."""
+    return [b for m in parts.model for b in m.buffers]
+
+
+def buffer_numels(parts: Parts) -> tuple[int, list[int]]:
+    """(elements of the grad buffer, the parameters' element counts in its order): one bucket
+    per buffer, as the course's models need (asserted)."""
+    total, numels = 0, []
+    for b in buffers(parts):
+        assert len(b.buckets) == 1, "a model this size fills one bucket"
+        total += b.grad_data.numel()
+        order = sorted(b.params, key=lambda p: b.param_index_map[p][0])  # by start in the buffer
+        numels += [p.numel() for p in order]
+    return total, numels

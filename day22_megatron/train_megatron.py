@@ -225,8 +225,13 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
         log.log(step, loss=losses[-1], grad_norm=norms[-1], dt_s=times[-1])
     log.close()
     params = sum(p.numel() for c in chunks for p in c.parameters())
+    buffer, order = mcore.buffer_numels(parts)  # megatron's grad buffer, its parameters' order
+    padded = mcore.distopt_buffer_elements(order, grid.dp_size)  # its padding rule
     full = gather_dense(chunks, cfg.model_config(), grid)
     return dict(
+        state=mcore.state_bytes(parts),
+        buffer=buffer,
+        buffer_formula=padded if cfg.use_distributed_optimizer else sum(order),
         losses=losses,
         norms=norms,
         times=times,
@@ -252,6 +257,12 @@ def report(cfg: Config, info, grid: ParallelGrid, result: dict) -> bool:
         f"(day22_megatron/formulas.py params_per_rank); ranks that differ: {int(mismatched.item())}"
     )
     dtl_dist.print0(f"dtl.megatron cpu_shim + optimizer_shim: {dm.shim_state()}")
+    adam = result["state"]["optim"] // (2 * 4)  # fp32 m and v per element
+    dtl_dist.print0(
+        f"megatron-core state, rank 0: grad buffer {result['buffer']:,} elements (its padding "
+        f"rule: {result['buffer_formula']:,}) for {result['params']:,} parameters; Adam's m and "
+        f"v over {adam:,} elements"
+    )
     dtl_dist.print0(
         f"converter: dtl GPT -> this layout's megatron shards -> dtl GPT, max |diff| "
         f"{result['roundtrip']:.1e} on rank 0"

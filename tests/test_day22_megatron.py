@@ -121,6 +121,8 @@ def _megatron_body(tmp, layouts_):
         out[name] = dict(
             losses=r["losses"], norms=r["norms"], full=r["full"], roundtrip=r["roundtrip"],
             groups_equal=r["groups"] == dm.grid_group_ranks(grid), params_equal=held,
+            adam=r["state"]["optim"] // 8, buffer=r["buffer"], buffer_formula=r["buffer_formula"],
+            params=r["params"],
         )  # fmt: skip
     return out
 
@@ -235,7 +237,8 @@ def _our_body(tmp, grids, plants=None):
         _, exact = train_4d.measured_vs_formula(cfg, grid, r)
         out[name] = dict(
             losses=r["losses"], norms=r["norms"], full=r["full"], exact=exact,
-            grads=_first_step_grads(cfg, grid, info),
+            grads=_first_step_grads(cfg, grid, info), adam=r["state"]["optim"] // 8,
+            buffer=r["state"]["grads"] // 4,
         )  # fmt: skip
     return out
 
@@ -279,6 +282,32 @@ def our_results_4(tmp_path_factory):
 def test_a_planted_zero1_bug_fails_the_one_process_check(our_results_4, name):
     with pytest.raises(AssertionError):
         _check_run(name, our_results_4[0][name], _reference())
+
+
+@MEGATRON
+def test_megatron_cores_distributed_optimizer_and_ours_keep_each_moment_once(
+    megatron_results, our_results_4
+):
+    """tp 2 x dp 2 on the same weights and batches: megatron-core's DistributedOptimizer
+    (tp2-sp-dp2-distopt; SP changes no parameter) and distopt.py (dp2-tp2-zero1), each equal to
+    one process (the tests above). Rank by rank: both keep Adam's m and v for their dp slice
+    only, so over a dp group every moment of the TP shard's P parameters exists once (ours also
+    for the padding of its flats to d; megatron's slices exclude its padding); megatron's grad
+    buffer is its padding rule's size (each parameter starting at a multiple of 64 elements,
+    the bucket ending at a multiple of lcm(d, 128)), ours P plus fewer than d per group."""
+    theirs = [r["tp2-sp-dp2-distopt"] for r in megatron_results]
+    ours = [r["dp2-tp2-zero1"] for r in our_results_4]
+    groups = len(ours[0]["full"])  # a bound: at most one flat group per parameter
+    for tp_rank in (0, 1):  # TP innermost: the dp group of tp rank t is ranks t and t + 2
+        dp_group = [
+            r for r in range(4) if ParallelGrid(tp=2, dp=2, world_size=4, rank=r).tp_rank == tp_rank
+        ]
+        P = theirs[dp_group[0]]["params"]
+        assert sum(theirs[r]["adam"] for r in dp_group) == P  # each moment once, no padding
+        assert sum(ours[r]["adam"] for r in dp_group) == ours[dp_group[0]]["buffer"]
+        assert 0 <= ours[dp_group[0]]["buffer"] - P < 2 * groups
+        for r in dp_group:
+            assert theirs[r]["buffer"] == theirs[r]["buffer_formula"] >= P
 
 
 def test_our_4d_stack_dp2_pp2_tp2_with_zero1_equals_one_process_at_8_ranks(tmp_path):
