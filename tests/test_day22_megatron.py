@@ -5,9 +5,10 @@ by hand (the graded exercises' first graders); the launch scripts' flags; bad in
 megatron-core tests carry needs_extras("megatron"); the rest run without it.
 
 One spawn per world size: 4 ranks run every megatron-core layout in turn (parallel_state built
-and destroyed per layout), 4 ranks every 4-D grid (two with ZeRO-1, distopt.py, and two with a
-ZeRO-1 bug planted, which must fail), 8 ranks the (dp 2, pp 2, tp 2) grid with ZeRO-1, 2 ranks
-the gradient norms of hand-cut shards; one more (4 ranks) runs SP's mutation.
+and destroyed per layout), 4 ranks every 4-D grid (two with ZeRO-1, distopt.py, one of them over
+dp x cp, and two with a ZeRO-1 bug planted, which must fail), 8 ranks the (dp 2, pp 2, tp 2)
+grid with ZeRO-1, 2 ranks the gradient norms of hand-cut shards; one more (4 ranks) runs SP's
+mutation.
 
 Reference: the dtl GPT in one process on the same global batches, torch's AdamW with Megatron's
 decay groups (matrices only) and the same global-norm clipping. Tolerances: losses rtol 1e-5;
@@ -68,6 +69,8 @@ OUR_GRIDS_4 = {  # name -> train_4d flags (world 4)
     "dp2-tp2-sp": dict(tp=2, sp=True),
     # ZeRO-1 (distopt.py): Adam's m and v sliced over dp, gradients reduce-scattered
     "dp2-tp2-zero1": dict(tp=2, distributed_optimizer=True),
+    # ZeRO-1 over dp x cp: a gradient averaged over 4 ranks, its moments sliced 4 ways
+    "cp2-dp2-zero1": dict(cp=2, distributed_optimizer=True),
 }
 # with ZeRO-1; the plain grid's all-reduce at 8 ranks: the registered ours-ep2-pp2-tp2 line
 OUR_GRIDS_8 = {"dp2-pp2-tp2-zero1": dict(tp=2, pp=2, distributed_optimizer=True)}
