@@ -18,6 +18,8 @@ full while a step runs), each strategy's own predicted_state (its class in REGIS
     megatron   megatron's DistributedOptimizer shards Adam's m and v over dp
     fsdp2_tp   16P/dp, P = one TP rank's parameters (day 22's params_per_rank)  + the largest
                block's TP shard, full
+    fsdp2_dtensor_tp  the same with P = the blocks' TP shards and the embeddings and LayerNorms
+               whole (DTensor TP on the blocks only: sharded_tp_dtensor.py)
 Activations per rank: L/pp layers x 34·s·b·h bytes (Korthikanti's 16-bit count; doubled in
 fp32), / t, with b the micro-batch; the 1F1B first stage holds pp micro-batches, which cancels
 the /pp; plus the fp32 logits and their gradient, 8·b·s·V/t on the last stage. An MoE is counted

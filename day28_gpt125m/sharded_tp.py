@@ -17,8 +17,9 @@ params_per_rank), plus the largest block's TP shard gathered while it runs. Chec
 it once), loaded back and cut into this rank's dp shards; the keys are the stack's, so day 24
 reshards them (a tp 2 x dp 2 checkpoint resumed at tp 1 x dp 4 continues the same losses: the
 notes' run; the tests resume at the same layout). The TP layers are plain tensors, not
-DTensors: torch's parallelize_module would split the fused QKV by rows, not by heads (day 24's
-sharded.py says why), so FSDP2 here shards each TP rank's local tensors over dp, a 1-D DTensor.
+DTensors: FSDP2 shards each TP rank's local tensors over dp, a 1-D DTensor. sharded_tp_dtensor.py
+builds the same mesh with torch's DTensor TP (parallelize_module), c_attn's rows reordered per
+head so that DTensor's contiguous row split keeps whole heads.
 """
 
 from __future__ import annotations

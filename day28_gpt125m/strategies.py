@@ -15,12 +15,13 @@
     ep        the same stack on an MoE GPT: experts over ep of the dp ranks, tokens by all-to-all
     megatron  megatron-core (day 22): GPTModel, its schedule, DDP, DistributedOptimizer
     fsdp2_tp  our TP layers (day 19) over tp, fully_shard over dp: torchtitan's (dp, tp) mesh
+    fsdp2_dtensor_tp  the same mesh with torch's DTensor TP (parallelize_module), as torchtitan
 
 Each strategy is a class in REGISTRY that says what it supports (model parallelism, --precision,
 --compile, checkpoints) and predicts its own per-rank model state (fit.py asks it), in a module of
 its family: data_parallel.py (ddp, fsdp2), deepspeed_zero.py (zero2, zero3), model_parallel.py
 (tp_pp, tp_sp, ep, and the Pipelined base they share with megatron), megatron_core.py (megatron),
-sharded_tp.py (fsdp2_tp).
+sharded_tp.py (fsdp2_tp), sharded_tp_dtensor.py (fsdp2_dtensor_tp).
 This module imports them all, so that REGISTRY is complete for whoever imports it here: adding a
 strategy is a class with @register in one of them (or a new module imported below), and the
 config, the fit check and the tests take it from there.
@@ -47,6 +48,7 @@ from day28_gpt125m import (  # noqa: F401
     megatron_core,
     model_parallel,
     sharded_tp,
+    sharded_tp_dtensor,
 )
 from day28_gpt125m.strategy import REGISTRY, Setup, Strategy
 from dtl.dist import all_reduce_scalar

@@ -79,7 +79,7 @@ from dtl.shared_folder import require_shared_folder
 
 @dataclass
 class Config:
-    # ddp | fsdp2 | zero2 | zero3 | tp_pp | tp_sp | ep | megatron
+    # ddp | fsdp2 | zero2 | zero3 | tp_pp | tp_sp | ep | megatron | fsdp2_tp | fsdp2_dtensor_tp
     strategy: Literal[STRATEGIES] = "fsdp2"
     model: PresetName = "tiny"  # GPT preset: tiny, small, gpt2-124m, gpt3-125m; tiny-moe (ep)
     tp: int = 1  # tensor-parallel size (tp_pp, tp_sp, ep, megatron)
@@ -221,6 +221,10 @@ class Config:
             raise err(
                 f"strategy {self.strategy} with tp {self.tp} x pp {self.pp} does not fit "
                 f"{self.world} ranks (world = tp x pp x dp)"
+            )
+        if self.model_config().n_head % self.tp:  # TP splits the attention by whole heads
+            raise err(
+                f"--tp={self.tp} does not divide {self.model}'s {self.model_config().n_head} heads"
             )
         self._check_experts(kind)
         rows = self.micro_batch_size * self.dp

@@ -138,6 +138,23 @@ def preset(name: str, **overrides: Any) -> GPTConfig:
 # --- the model --------------------------------------------------------------------------------
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (the fused c_attn output (B, T, 3*nh*hs), nh, hs) -> q, k, v, each (B, T, nh*hs)
+QkvSplit = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, ...]]
+
+
+def qkv_in_blocks(qkv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, ...]:
+    """c_attn's rows as [Q; K; V], each nh heads side by side: the one-process layout (a TP
+    rank of dtl.tp_plan holds [Q_t; K_t; V_t], the same layout for its heads)."""
+    return qkv.split(nh * hs, dim=2)
+
+
+def qkv_per_head(qkv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, ...]:
+    """c_attn's rows as [q_0; k_0; v_0; q_1; k_1; v_1; ...] (Megatron's layout,
+    dtl.tp_plan.per_head_rows): any contiguous cut at whole heads holds their q, k and v, so a
+    plain row split (DTensor's Shard(0)) splits by heads at every TP size."""
+    B, T, _ = qkv.shape
+    per_head = qkv.view(B, T, nh, 3, hs)  # (B, T, nh, [q k v], hs)
+    return tuple(t.reshape(B, T, nh * hs) for t in per_head.unbind(3))
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -167,6 +184,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_fn: AttentionFn = sdpa_attention
+        self.split_qkv: QkvSplit = qkv_in_blocks  # how c_attn's rows are laid out
         self.recompute_core = False  # GPT.set_recompute("selective")
 
     @property
@@ -175,10 +193,11 @@ class CausalSelfAttention(nn.Module):
         return self.c_attn.out_features // (3 * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        nh, hs = self.n_local_heads, self.head_dim
+        hs = self.head_dim
         qkv = self.c_attn(x)  # (B, T, 3*nh*hs); T from here: under SP x holds T/t tokens
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split(nh * hs, dim=2)  # 3 x (B, T, nh*hs)
+        B, T, width = qkv.shape
+        nh = width // (3 * hs)  # the heads this rank holds: n_local_heads (a DTensor's too)
+        q, k, v = self.split_qkv(qkv, nh, hs)  # 3 x (B, T, nh*hs)
         # (B, T, nh*hs) -> (B, nh, T, hs): heads become a batch dimension
         q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
         if _recomputing(self.recompute_core):  # keep q, k, v (views of the c_attn output, kept

@@ -58,3 +58,12 @@ def _split(t: torch.Tensor, dim: int, blocks: int, rank: int, size: int) -> torc
         )
     pieces = [b.chunk(size, dim)[rank] for b in t.chunk(blocks, dim)]
     return torch.cat(pieces, dim).clone()
+
+
+def per_head_rows(n_head: int, head_dim: int) -> torch.Tensor:
+    """The row order that turns c_attn's [Q; K; V] (one-process) into [q_0; k_0; v_0; q_1; ...]
+    (Megatron's per-head layout, read by dtl.model.qkv_per_head): `weight[per_head_rows(...)]`.
+    Its argsort turns it back."""
+    C = n_head * head_dim
+    head = torch.arange(head_dim)
+    return torch.cat([j * C + h * head_dim + head for h in range(n_head) for j in range(3)])

@@ -338,7 +338,8 @@ def test_the_registry_lists_every_strategy_in_the_notes_order():
     """strategies.py imports one module per family for its @register: REGISTRY, --help and
     fit.check's hint list the strategies in the order the notes give them."""
     assert list(REGISTRY) == [
-        *("ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "ep", "megatron", "fsdp2_tp")
+        *("ddp", "fsdp2", "zero2", "zero3", "tp_pp", "tp_sp", "ep", "megatron", "fsdp2_tp"),
+        "fsdp2_dtensor_tp",
     ]
 
 
@@ -431,10 +432,11 @@ def test_the_ablations_fused_adamw_and_torch_compile_train_like_their_baselines(
         (
             ["--strategy=ddp", "--tp=2"],
             "4",
-            "--tp/--pp are for tp_pp, tp_sp, ep, megatron, fsdp2_tp",
+            "--tp/--pp are for tp_pp, tp_sp, ep, megatron, fsdp2_tp, fsdp2_dtensor_tp",
         ),
         (["--strategy=tp_pp", "--ep=2"], "4", "--ep is for ep, not tp_pp"),
         (["--strategy=ddp", "--replicas=2"], "4", "--replicas is for fsdp2, not ddp"),
+        (["--strategy=fsdp2_dtensor_tp", "--tp=4"], "4", "--tp=4 does not divide tiny's 2 heads"),
         (["--replicas=3"], "4", "--replicas=3 does not split 4 ranks into equal shard groups"),
         (["--strategy=ep", "--ep=2"], "4", "ep trains a mixture of experts; tiny is dense"),
         (
