@@ -145,7 +145,8 @@ QkvSplit = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, ...]]
 def qkv_in_blocks(qkv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, ...]:
     """c_attn's rows as [Q; K; V], each nh heads side by side: the one-process layout (a TP
     rank of dtl.tp_plan holds [Q_t; K_t; V_t], the same layout for its heads)."""
-    return qkv.split(nh * hs, dim=2)
+    q, k, v = qkv.split(nh * hs, dim=2)
+    return q, k, v
 
 
 def qkv_per_head(qkv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, ...]:
