@@ -207,29 +207,30 @@ def state_bytes(parts: Parts) -> StateBytes:
 PARAM_ALIGN, BUCKET_ALIGN = 64, 128
 
 
-def distopt_buffer_elements(numels: list[int], dp: int) -> int:
-    """The elements of one megatron-core bucket holding parameters of `numels` elements, in
-    the buffer's order (megatron lays a model's parameters out in reverse), under the
-    distributed optimizer over `dp` ranks: the rule above, parameter by parameter."""
-    end = 0
-    for n in numels:
-        end = math.ceil(end / PARAM_ALIGN) * PARAM_ALIGN + n
+def distopt_buffer_elements(layout: list[tuple[int, int]], dp: int) -> int:
+    """The elements of one megatron-core buffer under the distributed optimizer over `dp`
+    ranks: `layout` is (elements, bucket) of each parameter in the buffer's order (megatron lays
+    a model's parameters out in reverse); the rule above, parameter by parameter, each bucket's
+    end padded before the next begins."""
     unit = math.lcm(dp, BUCKET_ALIGN)
+    end, bucket = 0, None
+    for n, b in layout:
+        if bucket is not None and b != bucket:
+            end = math.ceil(end / unit) * unit  # the previous bucket's end
+        end = math.ceil(end / PARAM_ALIGN) * PARAM_ALIGN + n
+        bucket = b
     return math.ceil(end / unit) * unit
 
 
 def buffers(parts: Parts) -> list:
-    """megatron-core DDP's dense buffers (one per dtype), over this rank's chunks."""
+    """megatron-core DDP's dense buffers (one per dtype and model chunk)."""
     return [b for m in parts.model for b in m.buffers]
 
 
-def buffer_numels(parts: Parts) -> tuple[int, list[int]]:
-    """(elements of the grad buffer, the parameters' element counts in its order): one bucket
-    per buffer, as the course's models need (asserted)."""
-    total, numels = 0, []
+def buffer_layouts(parts: Parts) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Each buffer's grad-buffer elements and its parameters' (elements, bucket) in its order."""
+    out = []
     for b in buffers(parts):
-        assert len(b.buckets) == 1, "a model this size fills one bucket"
-        total += b.grad_data.numel()
         order = sorted(b.params, key=lambda p: b.param_index_map[p][0])  # by start in the buffer
-        numels += [p.numel() for p in order]
-    return total, numels
+        out.append((b.grad_data.numel(), [(p.numel(), b.param_index_map[p][2]) for p in order]))
+    return out

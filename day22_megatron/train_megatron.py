@@ -225,13 +225,15 @@ def _train(cfg: Config, info, grid: ParallelGrid, corpus) -> dict:
         log.log(step, loss=losses[-1], grad_norm=norms[-1], dt_s=times[-1])
     log.close()
     params = sum(p.numel() for c in chunks for p in c.parameters())
-    buffer, order = mcore.buffer_numels(parts)  # megatron's grad buffer, its parameters' order
-    padded = mcore.distopt_buffer_elements(order, grid.dp_size)  # its padding rule
+    layouts_ = mcore.buffer_layouts(parts)  # megatron's grad buffers, their parameters' order
+    buffer = sum(n for n, _ in layouts_)
+    padded = sum(mcore.distopt_buffer_elements(lay, grid.dp_size) for _, lay in layouts_)
+    unpadded = sum(n for _, lay in layouts_ for n, _ in lay)
     full = gather_dense(chunks, cfg.model_config(), grid)
     return dict(
         state=mcore.state_bytes(parts),
         buffer=buffer,
-        buffer_formula=padded if cfg.use_distributed_optimizer else sum(order),
+        buffer_formula=padded if cfg.use_distributed_optimizer else unpadded,
         losses=losses,
         norms=norms,
         times=times,

@@ -65,5 +65,5 @@ def per_head_rows(n_head: int, head_dim: int) -> torch.Tensor:
     (Megatron's per-head layout, read by dtl.model.qkv_per_head): `weight[per_head_rows(...)]`.
     Its argsort turns it back."""
     C = n_head * head_dim
-    head = torch.arange(head_dim)
+    head = torch.arange(head_dim)  # host: row indices, read by indexing on any device
     return torch.cat([j * C + h * head_dim + head for h in range(n_head) for j in range(3)])
