@@ -96,7 +96,9 @@ def _config(strategy, tmp, **kw) -> train.Config:
         steps=STEPS,
         check=False,
         sample_tokens=0,
-        workers=1,
+        # batches built in the training process: a worker starts Python anew per run (40 s over
+        # the file); the loader test and the registered day 28 lines run with workers
+        workers=0,
         data_dir=os.path.join(tmp, "data"),
         out_dir=os.path.join(tmp, strategy),
         recompute=RECOMPUTE.get(strategy, "none"),
