@@ -6,11 +6,11 @@ The strategies come from strategies.REGISTRY. 2-rank spawns run the data-paralle
 model-parallel ones, the course's tp_pp at tp 2 x pp 2, tp_sp at tp 2 x dp 2 with full
 activation recomputation, ep (tiny-moe) at ep 2 x dp 2, recomputed too, and fsdp2_tp at tp 2 x
 dp 2 (with its planted twin, one step) and fsdp2 as HSDP (2 replicas x 2 shards) in one,
-megatron at tp 2 x pp 2 in another. Every strategy with a checkpoint no other test covers
-(RESUMED_ELSEWHERE) trains its 6 steps cut in two (stop after step 3 with a checkpoint, resume in
-a fresh strategy, finish), the others whole, the two kinds in separate spawns: a run cut in two
-that equals one process over all 6 steps trains right and resumes exactly (any state lost at
-the cut shows in steps 4-6), so it is not trained whole as well. The tests of a library's
+megatron at tp 2 x pp 2 in another. Each trains its 6 steps whole; every strategy with a
+checkpoint no other test covers (RESUMED_ELSEWHERE) trains them again, in a spawn of its own,
+cut in two (stop after step 3 with a checkpoint, resume in a fresh strategy, finish): a resumed
+run equal to one process over all 6 steps is an exact resume (any state lost at the cut shows
+in steps 4-6), and a broken checkpoint fails the resume tests only. The tests of a library's
 strategies skip without its extra; the others need none. Reference: the dtl GPT in one process
 (tiny-moe's: one forward per micro-batch of the global batch, each with its own load-balancing
 loss, as the ranks run them), the recipe's AdamW (0.9, 0.95), decay on matrices, clipping at 1.0
@@ -67,7 +67,7 @@ def _world(strategy) -> int:
     return 4 if REGISTRY[strategy].model_parallel else 2
 
 
-def _cases(*, model_parallel=None, libraries=None, measured=False) -> list:
+def _cases(*, model_parallel=None, libraries=None, measured=False, resumable=False) -> list:
     """The registered strategies of one kind (None: either), each marked with the extras it
     imports: DeepSpeed's and megatron-core's apart, so that torch's and the course's own run
     without them."""
@@ -77,6 +77,7 @@ def _cases(*, model_parallel=None, libraries=None, measured=False) -> list:
         if model_parallel in (None, kind.model_parallel)
         and libraries in (None, bool(kind.extras))
         and (kind.measures_state or not measured)
+        and (n in RESUMABLE or not resumable)
     ]
 
 
@@ -156,7 +157,7 @@ def _runs(tmp, strategies, resumed: bool):
             sent=r["sent"], predicted_sent=r["predicted_sent"],
         )  # fmt: skip
     for label, (name, (owner, attribute, value)) in PLANTS.items():
-        if name in strategies:  # one step: its state is measured at the last
+        if name in strategies and not resumed:  # one step: its state is measured at the last
             with pytest.MonkeyPatch.context() as monkeypatch:
                 monkeypatch.setattr(owner, attribute, value)
                 cfg = _config(name, tmp, steps=1, out_dir=os.path.join(tmp, "planted"))
@@ -177,20 +178,20 @@ def _entries() -> dict[str, tuple[str, int]]:
     return runs | {label: (n, world) for label, (n, world, _) in VARIANTS.items()}
 
 
-def _ranks(name, tmp_path_factory, entry: str = "") -> list[dict]:
-    """Every rank's run of `name` (cut and resumed if it is RESUMABLE, else whole). The runs of
-    one world that import the same extras (tp_pp, tp_sp, ep and fsdp2_tp; DeepSpeed's;
-    megatron-core's) and are cut alike train in one spawn, started by the first test that asks,
-    in its own body: a strategy that raises fails the tests of its spawn, with its traceback,
-    and no other. `entry`: another result (a VARIANTS or PLANTS label)."""
+def _ranks(name, tmp_path_factory, resumed: bool = False, entry: str = "") -> list[dict]:
+    """Every rank's run of `name`, whole or cut and resumed. The runs of one world that import
+    the same extras (torch's ddp and fsdp2; tp_pp, tp_sp, ep and the fsdp2 over TP pair;
+    DeepSpeed's; megatron-core's) train in one spawn, started by the first test that asks, in its
+    own body: a strategy that raises fails the tests of its spawn, with its traceback, and no
+    other. The cut runs spawn apart, so that a broken checkpoint (or day 24's exercises left as
+    stubs) fails the resume tests only. `entry`: another result (a VARIANTS or PLANTS label)."""
     world = VARIANTS[entry][1] if entry in VARIANTS else _world(name)
-    resumed = name in RESUMABLE
     key = (world, REGISTRY[name].extras, resumed)
     if key not in _SPAWNS:
         group = [
             label
             for label, (n, w) in _entries().items()
-            if (w, REGISTRY[n].extras, n in RESUMABLE) == key
+            if (w, REGISTRY[n].extras) == key[:2] and (n in RESUMABLE or not resumed)
         ]
         tmp = str(tmp_path_factory.mktemp(f"d28w{key[0]}"))
         try:
@@ -275,13 +276,24 @@ def test_deepspeed_and_megatron_core_strategies_train_like_one_process(
 def test_variants_train_like_one_process_and_hold_their_predicted_state(
     reference, label, tmp_path_factory
 ):
-    """HSDP (fsdp2 with --replicas=2 on 4 ranks), cut in two and resumed as fsdp2 is: one
-    process's losses, norms and parameters; each rank holds 1/2 of the state, not FSDP's 1/4 (a
-    wrap that ignores --replicas fails)."""
+    """HSDP (fsdp2 with --replicas=2 on 4 ranks): one process's losses, norms and parameters;
+    each rank holds 1/2 of the state, not FSDP's 1/4 (a wrap that ignores --replicas fails). Cut
+    in two and resumed too, as fsdp2 is (test_strategies_cut_and_resumed_...)."""
     name, world, fields = VARIANTS[label]
     ranks = _ranks(name, tmp_path_factory, entry=label)
     _check(ranks[0], reference, name)
     _check_state(ranks, name, world=world, **fields)
+
+
+RESUMED_VARIANTS = [label for label, (n, _, _) in VARIANTS.items() if n in RESUMABLE]
+
+
+@pytest.mark.parametrize("name", [*_cases(resumable=True), *RESUMED_VARIANTS])
+def test_strategies_cut_and_resumed_train_like_one_process(reference, name, tmp_path_factory):
+    """An exact resume: any state the checkpoint loses shows in the steps after the cut."""
+    strategy = VARIANTS[name][0] if name in VARIANTS else name
+    run = _ranks(strategy, tmp_path_factory, resumed=True, entry=name)[0]
+    _check(run, reference, strategy)
 
 
 def test_an_moe_reference_in_one_forward_per_step_is_not_what_the_ep_ranks_train(
