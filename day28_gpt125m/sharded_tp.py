@@ -44,10 +44,10 @@ from day28_gpt125m.recipe import make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
 from dtl.comm import CommCounter
-from dtl.dist import norm_of_pieces
+from dtl.dist import clip_by_pieces
 from dtl.grid import ParallelGrid
 from dtl.model import GPT
-from dtl.optim import clip_coefficient, set_lr
+from dtl.optim import set_lr
 from dtl.reduction import gpt_reductions
 from dtl.simulate import item, to_device
 from dtl.state import live_state_bytes
@@ -112,7 +112,7 @@ class FSDP2TP(Strategy):
                     loss.backward()
                 total += item(loss)
         with clipping:
-            norm = self._clip(self.r.clip or None)
+            norm = clip_by_pieces(self.gpt.parameters(), self.counted, self.r.clip or None)
         if isinstance(passes, CommCounter) and isinstance(clipping, CommCounter):
             self.last_sent = {a: passes.ring_bytes_on(g) for a, g in self.axes.items()}
             self.last_sent["norm"] = clipping.ring_bytes_on(None)  # over the world
@@ -130,18 +130,6 @@ class FSDP2TP(Strategy):
         """A CommCounter in the step whose state and bytes are measured, else nothing."""
         return CommCounter() if self.measure_state else contextlib.nullcontext()
 
-    @torch.no_grad()
-    def _clip(self, max_norm: float | None) -> float:
-        """The dense gradient norm from every rank's shards (float64, over the world), and
-        clip_grad_norm_'s rule; returns the norm before clipping."""
-        norm = norm_of_pieces(_local(p.grad) for p in self.counted if p.grad is not None)
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1.0:
-            for p in self.gpt.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return full_tensors(self.gpt)  # gathered over dp, then joined over tp (day 19)
 
@@ -158,10 +146,6 @@ class FSDP2TP(Strategy):
         step = Checkpointer(folder, keep=2).load(app)
         view.scatter_back(self.gpt, self.optimizer)
         return step
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass

@@ -43,9 +43,9 @@ from day24_checkpoint.ckpt import AppState, Checkpointer, Progress
 from day28_gpt125m.recipe import make_adamw
 from day28_gpt125m.strategy import Setup, Strategy, register
 from dtl import profile as dtl_profile
-from dtl.dist import norm_of_pieces
+from dtl.dist import clip_by_pieces
 from dtl.model import GPT, GPTConfig, loss_fn, qkv_per_head
-from dtl.optim import clip_coefficient, set_lr
+from dtl.optim import set_lr
 from dtl.simulate import item, to_device
 from dtl.state import live_state_bytes
 from dtl.tp_plan import per_head_rows
@@ -128,7 +128,7 @@ class FSDP2DTensorTP(Strategy):
             with dtl_profile.range(dtl_profile.BACKWARD):
                 loss.backward()
             total += item(loss)
-        norm = self._clip(self.r.clip or None)
+        norm = clip_by_pieces(self.gpt.parameters(), self.counted, self.r.clip or None)
         set_lr(self.optimizer, lr)
         with dtl_profile.range(dtl_profile.OPTIMIZER):
             self.optimizer.step()  # AdamW on this rank's (dp, tp) piece of each parameter
@@ -138,18 +138,6 @@ class FSDP2DTensorTP(Strategy):
             )
         self.optimizer.zero_grad(set_to_none=True)
         return total, norm
-
-    @torch.no_grad()
-    def _clip(self, max_norm: float | None) -> float:
-        """The dense gradient norm from every rank's pieces (float64, over the world), and
-        clip_grad_norm_'s rule; returns the norm before clipping."""
-        norm = norm_of_pieces(p.grad.to_local() for p in self.counted if p.grad is not None)
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1.0:
-            for p in self.gpt.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered over dp and tp, c_attn's rows back in [Q; K; V] order."""

@@ -28,9 +28,11 @@ import torch.distributed as dist
 # ("terminate called without an active exception", about 1 exit in 100). Imported here, before
 # any process group exists, the defaults are None and destroy_process_group() frees the group.
 import torch.distributed.nn  # noqa: F401
+from torch.distributed.tensor import DTensor
 
 from dtl import profile
 from dtl.flat import FlatBuffer
+from dtl.optim import clip_coefficient
 from dtl.simulate import item
 
 DEFAULT_TIMEOUT_S = 120  # a desync fails in two minutes instead of NCCL's default 10 (gloo: 30)
@@ -224,6 +226,28 @@ def norm_of_pieces(pieces: Iterable[torch.Tensor], group: dist.ProcessGroup | No
         sq += piece.detach().double().pow(2).sum().to(sq.device)
     dist.all_reduce(sq, group=group)
     return item(sq.sqrt())  # nan under dtl.simulate's fake tensors: no value to read
+
+
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_by_pieces(
+    params: Iterable[torch.Tensor], counted: Iterable[torch.Tensor], max_norm: float | None
+) -> float:
+    """Global-norm clipping of gradients spread over ranks: the norm of the `counted`
+    parameters' gradients, this rank's pieces of them (each element counted on one rank), over
+    the world (norm_of_pieces), then clip_grad_norm_'s rule applied to every gradient of
+    `params`. Returns the norm before clipping. Collective."""
+    norm = norm_of_pieces(local_piece(p.grad) for p in counted if p.grad is not None)
+    coef = clip_coefficient(norm, max_norm)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
 
 
 def average_gradients(
