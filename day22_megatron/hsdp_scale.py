@@ -40,9 +40,7 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        unknown = [m for m in self.models.split(",") if m not in planner.MODELS]
-        if unknown:
-            raise err(f"unknown model {unknown[0]!r}; one of {', '.join(planner.MODELS)}")
+        planner.check_models(self.models)
         bad = [n for n in dtl_config.int_list("ranks", self.ranks) if n % NODE or n < 2 * NODE]
         if bad:
             raise err(f"ranks {bad[0]}: a multiple of {NODE}, two nodes or more")

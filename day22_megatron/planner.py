@@ -44,6 +44,19 @@ MODELS = {
 }
 
 
+def check_models(models: str, tp: int = 1) -> None:
+    """ConfigError (one line) unless every comma-separated name is in MODELS and `tp` divides
+    each one's heads: what the scale scripts take before they build anything."""
+    err = dtl_config.ConfigError
+    names = models.split(",")
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        raise err(f"unknown model {unknown[0]!r}; one of {', '.join(MODELS)}")
+    heads = {m: MODELS[m].n_head for m in names}
+    if any(h % tp for h in heads.values()):
+        raise err(f"--tp={tp} does not divide the heads of every model ({heads})")
+
+
 @dataclass
 class PlanConfig(ClusterConfig):  # + the cluster and step-model fields (step_model.ClusterConfig)
     global_batch_tokens: int = 0  # 0: 524,288 for gpt2-124m (llm.c), 4,194,304 for 6.6b (Llama 2)

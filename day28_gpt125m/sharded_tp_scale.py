@@ -40,13 +40,7 @@ class Config:
 
     def validate(self) -> None:
         err = dtl_config.ConfigError
-        names = self.models.split(",")
-        unknown = [m for m in names if m not in planner.MODELS]
-        if unknown:
-            raise err(f"unknown model {unknown[0]!r}; one of {', '.join(planner.MODELS)}")
-        heads = {m: planner.MODELS[m].n_head for m in names}
-        if any(h % self.tp for h in heads.values()):
-            raise err(f"--tp={self.tp} does not divide the heads of every model ({heads})")
+        planner.check_models(self.models, self.tp)
         bad = [n for n in dtl_config.int_list("ranks", self.ranks) if n % self.tp or n == self.tp]
         if bad:
             raise err(f"ranks {bad[0]}: a multiple of --tp={self.tp}, with dp >= 2")
