@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per DP rank per step, "
         f"{cfg.global_batch_size * cfg.seq_len:,} tokens per step"
     )
+    dtl_dist.print0(dtl_dist.hosts_line(info))  # all_gather_object of every rank's hostname
     result = run(cfg, info, grid)
     dtl_dist.finish(verdict.report(cfg, info, grid, result))  # cleanup; exit 1 if a check failed
 

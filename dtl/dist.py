@@ -306,3 +306,22 @@ def world_table(info: DistInfo) -> list[tuple[int, int, str, str, str]]:
     rows: list[Any] = [None] * info.world_size
     dist.all_gather_object(rows, mine)
     return rows
+
+
+def hosts_line(info: DistInfo) -> str:
+    """Which host runs which ranks, e.g. "2 hosts: node0 (ranks 0-7), node1 (ranks 8-15)"
+    (a collective: world_table's all_gather_object)."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, _, host, _, _ in world_table(info):
+        ranks_of.setdefault(host, []).append(rank)
+    parts = [
+        f"{host} (rank{'s' if len(r) > 1 else ''} {_span(r)})" for host, r in ranks_of.items()
+    ]
+    return f"{len(ranks_of)} host{'s' if len(ranks_of) > 1 else ''}: {', '.join(parts)}"
+
+
+def _span(ranks: list[int]) -> str:
+    contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+    if contiguous and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

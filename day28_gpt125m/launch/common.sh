@@ -7,11 +7,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # the repository root
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # TP/SP comm order (megatron)
 
-TRAIN_ARGS=(
-    --config "${CONFIG:-day28_gpt125m/gpu.toml}"
-    --strategy "${STRATEGY:-fsdp2}"
-    --steps "${STEPS:-50}"
-)
+CONFIG=${CONFIG-day28_gpt125m/gpu.toml}  # CONFIG= (empty): the script's own CPU-sized defaults
+TRAIN_ARGS=(--strategy "${STRATEGY:-fsdp2}" --steps "${STEPS:-50}")
+if [ -n "$CONFIG" ]; then TRAIN_ARGS+=(--config "$CONFIG"); fi
 MODEL_PARALLEL_ARGS=()
 if [ -n "${TP:-}" ]; then MODEL_PARALLEL_ARGS+=(--tp "$TP"); fi
 if [ -n "${PP:-}" ]; then MODEL_PARALLEL_ARGS+=(--pp "$PP"); fi

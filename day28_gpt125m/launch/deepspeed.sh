@@ -3,8 +3,7 @@
 # the script by path and passes --local_rank, which train.py accepts (and ignores: it reads
 # LOCAL_RANK, as under torchrun).
 #   bash day28_gpt125m/launch/deepspeed.sh                 (HOSTFILE=... to use another)
-source "$(dirname "$0")/common.sh"
 STRATEGY=${STRATEGY:-zero3}
-TRAIN_ARGS=(--config "${CONFIG:-day28_gpt125m/gpu.toml}" --strategy "$STRATEGY" --steps "${STEPS:-50}")
+source "$(dirname "$0")/common.sh"
 run deepspeed --hostfile "${HOSTFILE:-day28_gpt125m/launch/hostfile}" \
     --num_gpus "${GPUS_PER_NODE:-8}" day28_gpt125m/train.py "${TRAIN_ARGS[@]}" "$@"

@@ -1,0 +1,104 @@
+"""python -m dtl.cluster: make, use and remove the cluster of dtl/cluster/hosts.py.
+
+python -m dtl.cluster up 2 [--slurm]     hosts node0, node1 (and Slurm's daemons on them)
+python -m dtl.cluster status             the hosts, their addresses and processes
+python -m dtl.cluster exec node1 CMD...  one command on one host
+python -m dtl.cluster all CMD...         the same command on every host at once (a launch)
+python -m dtl.cluster down               remove everything `up` made; say if anything is left
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from dtl.cluster import hosts, launch, slurm
+
+# each node as the course's Slurm batch file asks for (--cpus-per-task=32, --gpus-per-node=8):
+# slurmd takes the configured counts (config_overrides); the GPUs are counts, no devices
+SLURM_CPUS = 32
+SLURM_GPUS = 8
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtl.cluster", description=__doc__)
+    parser.add_argument("--prefix", default="dtl", help="names of the namespaces and links")
+    sub = parser.add_subparsers(dest="action", required=True)
+    make = sub.add_parser("up", help="make N hosts")
+    make.add_argument("n", type=int)
+    make.add_argument("--slurm", action="store_true", help="start munged, slurmctld, slurmd")
+    sub.add_parser("status", help="the hosts and what runs on them")
+    one = sub.add_parser("exec", help="run a command on one host")
+    one.add_argument("host")
+    one.add_argument("cmd", nargs=argparse.REMAINDER)
+    every = sub.add_parser("all", help="run the same command on every host at once")
+    every.add_argument("--timeout", type=float, default=600)
+    every.add_argument("cmd", nargs=argparse.REMAINDER)
+    sub.add_parser("down", help="remove the cluster")
+    args = parser.parse_args(argv)
+    if args.action == "up":
+        return _up(args.prefix, args.n, args.slurm)
+    cluster = hosts.load(args.prefix)
+    if cluster is None:
+        print(f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)")
+        return 2
+    return ACTIONS[args.action](cluster, args)
+
+
+def _up(prefix: str, n: int, with_slurm: bool) -> int:
+    problem = hosts.missing_capability() or (with_slurm and slurm.missing_packages())
+    if problem:
+        print(f"error: cannot build the cluster here: {problem}")
+        return 2
+    cluster = hosts.up(n, prefix)
+    if with_slurm:
+        slurm.start(cluster, cpus_per_node=SLURM_CPUS, gpus_per_node=SLURM_GPUS)
+        print(f"slurm: export SLURM_CONF={slurm.folder_of(cluster)}/slurm.conf")
+    _print_status(cluster)
+    return 0
+
+
+def _print_status(cluster: hosts.Cluster, _: object = None) -> int:
+    print(f"cluster {cluster.prefix}: bridge {cluster.bridge}, state in {cluster.folder}")
+    for h in cluster.hosts:
+        pids = cluster.processes(h)
+        print(f"  {h.name:<8}{h.address:<14}namespace {h.netns}, {len(pids)} processes")
+    for name, pid in cluster.daemons.items():
+        print(f"  daemon {name} pid {pid}")
+    print(f"  shared folder {cluster.shared}; each host's own folder at {cluster.local}")
+    return 0
+
+
+def _exec(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
+    done = cluster.run(cluster.host(args.host), args.cmd, timeout=None)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    return done.returncode
+
+
+def _all(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
+    results = launch.run_on_hosts(
+        cluster, {h: args.cmd for h in cluster.hosts}, timeout=args.timeout
+    )
+    for r in results:
+        state = "timed out" if r.timed_out else f"exit {r.returncode}"
+        print(f"===== {r.host}: {state} after {r.seconds:.1f} s")
+        sys.stdout.write(r.output)
+    return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+def _down(cluster: hosts.Cluster, _: argparse.Namespace) -> int:
+    hosts.down(cluster)
+    left = hosts.leftovers(cluster)
+    for what in left:
+        print(f"left behind: {what}")
+    print(f"cluster {cluster.prefix} is down" + ("" if not left else " (see above)"))
+    return 1 if left else 0
+
+
+Action = Callable[[hosts.Cluster, argparse.Namespace], int]
+ACTIONS: dict[str, Action] = {"status": _print_status, "exec": _exec, "all": _all, "down": _down}
+
+if __name__ == "__main__":
+    sys.exit(main())
