@@ -2,6 +2,7 @@
 # make test       the test suite: every parallel implementation against a single process, on gloo
 # make test DAY=19  one day's tests, its launch lines and its bad-input checks (minutes, not 20)
 # make prove      every graded exercise: its stub fails each grader, its solution passes (CI)
+# make cluster    two hosts for real (root): the failure drills, a killed host, Slurm (CI)
 # make gpu-check  the GPU check: the most valuable GPU lines first, inside BUDGET_S seconds
 # make gpu-all    every GPU launch line on the GPUs present (SKIP, with the reason, where too few)
 # make lint       ruff, and mypy (strict) on the kit dtl/
@@ -44,7 +45,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(if $(IN_VENV),$(abspath $(VENV)),$(abspath .dtl-installed))/torch_extensions
 export PATH := $(abspath $(dir $(shell command -v $(PY) 2>/dev/null || echo $(PY)))):$(PATH)
 
-.PHONY: tour test prove gpu-check gpu-all lint figures readme install wheelhouse clean
+.PHONY: cluster tour test prove gpu-check gpu-all lint figures readme install wheelhouse clean
 
 # a new day package needs the editable install redone (its finder maps the packages it knew)
 $(STAMP): pyproject.toml Makefile tools/install.sh tools/warm_deepspeed_ops.py $(wildcard day*/__init__.py)
@@ -59,6 +60,10 @@ tour: $(STAMP)
 # a missing Python extra (deepspeed, megatron) fails the suite here instead of skipping it
 test: $(STAMP)
 	DTL_REQUIRE_EXTRAS=1 $(PY) -m pytest $(DAY_TESTS) $(PYTEST_ARGS)
+
+# network namespaces as hosts (dtl.cluster): the drills, a killed host, Slurm; root, own budget
+cluster: $(STAMP)
+	DTL_REQUIRE_EXTRAS=1 $(PY) -m pytest -m cluster tests/test_cluster_drills.py $(PYTEST_ARGS)
 
 # the exercises' proof edits the course's files and puts them back; its own budget in CI
 prove: $(STAMP)

@@ -35,10 +35,18 @@ def node_and_nodes() -> tuple[int, int]:
     return int(os.environ.get("GROUP_RANK", "0")), max(1, world // local_world)
 
 
-def _marker(folder: str, node: int) -> str:
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return os.path.join(folder, f".dtl-node{node}-{job}-{attempt}")
+def _marker(folder: str, node: int, token: int) -> str:
+    return os.path.join(folder, f".dtl-node{node}-{token:x}")
+
+
+def _common_token() -> int:
+    """One random number for this check, the same on every rank (rank 0's, broadcast). Not the
+    job's id and restart count: a node that replaces a dead one starts at restart 0 while the
+    survivors are at 1, and names derived from them would never match."""
+    mine = int.from_bytes(os.urandom(7), "little")  # not torch's generator: training's stream
+    token = torch.tensor([mine], dtype=torch.int64, device=run_device())
+    dist.broadcast(token, src=0)  # (1,) int64: rank 0's number on every rank
+    return int(token.item())
 
 
 def shared_folder_problem(folder: str, what: str) -> str | None:
@@ -48,20 +56,21 @@ def shared_folder_problem(folder: str, what: str) -> str | None:
     if nodes == 1 or not dist.is_initialized():
         return None
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    token = _common_token()
     if first_on_node:
         os.makedirs(folder, exist_ok=True)
-        with open(_marker(folder, node), "w") as f:
+        with open(_marker(folder, node, token), "w") as f:
             f.write(socket.gethostname())
     dist.barrier()  # every node's marker is written before any node looks
     # (nodes,): entry n = 1 + the first node whose marker node n cannot see; 0: sees them all
     unseen = torch.zeros(nodes, dtype=torch.int64, device=run_device())
     if first_on_node:
-        missing = [n for n in range(nodes) if not os.path.exists(_marker(folder, n))]
+        missing = [n for n in range(nodes) if not os.path.exists(_marker(folder, n, token))]
         unseen[node] = missing[0] + 1 if missing else 0
     dist.all_reduce(unseen)  # only each node's first rank wrote its entry: the sum is the table
     dist.barrier()  # every node has looked: the markers can go
-    if first_on_node and os.path.exists(_marker(folder, node)):
-        os.remove(_marker(folder, node))
+    if first_on_node and os.path.exists(_marker(folder, node, token)):
+        os.remove(_marker(folder, node, token))
     blind = [(n, int(m) - 1) for n, m in enumerate(unseen.tolist()) if m]
     if not blind:
         return None

@@ -1,0 +1,187 @@
+"""The nodes meet at the endpoint through a TCPStore, as torchrun's agents will, and compare.
+
+Each node adds itself (its join number), writes a marker file into every given folder, posts
+what it knows about itself, waits for every node's post, and then checks what only the nodes
+together can see: one node rank taken twice, one hostname on two nodes, torch or the course at
+different versions, a folder in which a node cannot see another node's marker (not shared).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import torch.distributed as dist
+
+from dtl.preflight import network
+from dtl.preflight.checks import Launch, store_host_here
+
+PREFIX = "dtl-preflight"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    hostname: str
+    node_rank: int | None
+    torch: str
+    course: str
+    gloo_address: str | None
+    nccl_interface: str | None
+    markers: dict[str, str]  # folder -> the marker file this node wrote there
+
+
+def my_facts(launch: Launch, markers: dict[str, str]) -> NodeFacts:
+    return NodeFacts(
+        hostname=socket.gethostname(),
+        node_rank=launch.node_rank,
+        torch=torch.__version__,
+        course=course_version(),
+        gloo_address=network.gloo_address(os.environ.get("GLOO_SOCKET_IFNAME")),
+        nccl_interface=network.nccl_interface(os.environ.get("NCCL_SOCKET_IFNAME")),
+        markers=markers,
+    )
+
+
+def course_version() -> str:
+    """The course's version and, in a checkout, its commit (nodes must run the same code)."""
+    try:
+        release = version("distributed-training-lessons")
+    except PackageNotFoundError:
+        release = "unknown"
+    head = os.path.join(os.path.dirname(__file__), "..", "..", ".git", "HEAD")
+    return f"{release}+{_commit(head)}" if os.path.exists(head) else release
+
+
+def _commit(head: str) -> str:
+    with open(head) as f:
+        ref = f.read().strip()
+    if not ref.startswith("ref: "):
+        return ref[:10]
+    path = os.path.join(os.path.dirname(head), ref[5:])
+    if not os.path.exists(path):
+        return "unknown"
+    with open(path) as f:
+        return f.read().strip()[:10]
+
+
+def meet(launch: Launch, timeout: float) -> tuple[list[NodeFacts], list[str]]:
+    """Every node's facts (in join order) and the problems this node sees; a node that cannot
+    reach the endpoint, or nodes that never arrive, are problems too."""
+    try:
+        store = dist.TCPStore(
+            launch.host,
+            launch.port,
+            is_master=store_host_here(launch),
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, dist.DistError) as err:
+        first = str(err).splitlines()[0]
+        return [], [f"{socket.gethostname()} cannot reach {launch.host}:{launch.port}: {first}"]
+    markers = write_markers(launch.folders)
+    try:
+        return _exchange(store, launch, markers, timeout)
+    except (RuntimeError, dist.DistError) as err:  # the store's host went away mid-way
+        first = str(err).splitlines()[0]
+        return [], [f"{socket.gethostname()} lost {launch.host}:{launch.port}: {first}"]
+    finally:
+        remove_markers(markers)
+
+
+def _exchange(
+    store: dist.TCPStore, launch: Launch, markers: dict[str, str], timeout: float
+) -> tuple[list[NodeFacts], list[str]]:
+    me = store.add(f"{PREFIX}/joined", 1) - 1
+    store.set(f"{PREFIX}/node/{me}", json.dumps(asdict(my_facts(launch, markers))))
+    keys = [f"{PREFIX}/node/{i}" for i in range(launch.nnodes)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):
+        joined = store.add(f"{PREFIX}/joined", 0)
+        return [], [
+            f"only {joined} of {launch.nnodes} nodes reached {launch.host}:{launch.port} "
+            f"within {timeout:.0f} s (seen from {socket.gethostname()}): check every node's "
+            "endpoint, --nnodes and firewall"
+        ]
+    nodes = [NodeFacts(**json.loads(store.get(k))) for k in keys]
+    problems = [*together_problems(nodes), *folder_problems(nodes, me)]
+    store.add(f"{PREFIX}/looked", 1)  # the markers stay until every node has looked
+    _wait_count(store, f"{PREFIX}/looked", launch.nnodes, timeout)
+    if store_host_here(launch):  # the store lives until every other node is done with it
+        _wait_count(store, f"{PREFIX}/left", launch.nnodes - 1, timeout)
+    else:
+        store.add(f"{PREFIX}/left", 1)
+    return nodes, problems
+
+
+def together_problems(nodes: list[NodeFacts]) -> list[str]:
+    problems = []
+    ranks = Counter(n.node_rank for n in nodes if n.node_rank is not None)
+    problems += [
+        f"--node_rank={r} is given to {count} nodes: each node needs its own (0 to "
+        f"{len(nodes) - 1}), or let c10d number them"
+        for r, count in sorted(ranks.items())
+        if count > 1
+    ]
+    names = Counter(n.hostname for n in nodes)
+    problems += [
+        f"hostname {name} is on {count} nodes: torchrun decides who hosts the rendezvous by "
+        "hostname; give each node its own"
+        for name, count in sorted(names.items())
+        if count > 1
+    ]
+    for what in ("torch", "course"):
+        versions = sorted({getattr(n, what) for n in nodes})
+        if len(versions) > 1:
+            by_node = ", ".join(f"{n.hostname} {getattr(n, what)}" for n in nodes)
+            problems.append(f"{what} differs between nodes: {by_node}")
+    return problems
+
+
+def folder_problems(nodes: list[NodeFacts], me: int) -> list[str]:
+    """Markers of the other nodes this node cannot see: the folder is not shared."""
+    problems = []
+    here = socket.gethostname()
+    for folder, _ in nodes[me].markers.items():
+        unseen = [
+            n.hostname
+            for i, n in enumerate(nodes)
+            if i != me and not os.path.exists(n.markers.get(folder, ""))
+        ]
+        if unseen:
+            problems.append(
+                f"folder {os.path.abspath(folder)} is not shared: {here} cannot see what "
+                f"{', '.join(unseen)} wrote there; put it on a file system every node mounts"
+            )
+    return problems
+
+
+def write_markers(folders: tuple[str, ...]) -> dict[str, str]:
+    markers = {}
+    for folder in folders:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f".{PREFIX}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+        with open(path, "w") as f:
+            f.write(socket.gethostname())
+        markers[folder] = os.path.abspath(path)
+    return markers
+
+
+def remove_markers(markers: dict[str, str]) -> None:
+    for path in markers.values():
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _wait_count(store: dist.TCPStore, key: str, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
