@@ -314,9 +314,7 @@ def hosts_line(info: DistInfo) -> str:
     ranks_of: dict[str, list[int]] = {}
     for rank, _, host, _, _ in world_table(info):
         ranks_of.setdefault(host, []).append(rank)
-    parts = [
-        f"{host} (rank{'s' if len(r) > 1 else ''} {_span(r)})" for host, r in ranks_of.items()
-    ]
+    parts = [f"{host} (rank{'s' if len(r) > 1 else ''} {_span(r)})" for host, r in ranks_of.items()]
     return f"{len(ranks_of)} host{'s' if len(ranks_of) > 1 else ''}: {', '.join(parts)}"
 
 

@@ -68,6 +68,8 @@ def test_day28_two_node_script_on_two_hosts_trains_equal_to_one_process(cluster)
     runs = launch.run_on_hosts(cluster, {h: script for h in cluster.hosts}, env, timeout=120)
     node0, node1 = runs
     assert node0.returncode == 0 and node1.returncode == 0, node0.output[-2000:]
+    for run in runs:  # the script's preflight met the other host first
+        assert f"preflight {run.host}: ok, 2 of 2 nodes met at node0:29500" in run.output
     assert "2 hosts: node0 (rank 0), node1 (rank 1)" in node0.output
     assert "summary: day28 fsdp2 tiny on 2 ranks" in node0.output
     assert "losses match one process yes" in node0.output, node0.output[-2000:]

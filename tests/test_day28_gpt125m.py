@@ -516,7 +516,13 @@ def test_launch_scripts_pass_flags_train_accepts_for_their_gpu_count(
         check=True,
         env={**os.environ, "DRY_RUN": "1", **env},
     ).stdout
-    words = shlex.split(out)
+    *before, launch_line = out.strip().splitlines()
+    words = shlex.split(launch_line)
+    if script in ("train_2node.sh", "slurm.sbatch"):  # the preflight first, at the same endpoint
+        preflight = shlex.split(before[-1])
+        assert "dtl.preflight" in preflight
+        endpoint = preflight[preflight.index("--endpoint") + 1]
+        assert endpoint == words[words.index("--rdzv_endpoint") + 1]
     if words[0] == "deepspeed":  # the script by path, --local_rank added by the launcher
         args = words[words.index("day28_gpt125m/train.py") + 1 :] + ["--local_rank=0"]
     else:
