@@ -10,6 +10,7 @@ python -m dtl.cluster down               remove everything `up` made; say if any
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("cmd", nargs=argparse.REMAINDER)
     every = sub.add_parser("all", help="run the same command on every host at once")
     every.add_argument("--timeout", type=float, default=600)
+    every.add_argument("--hosts", default="", help="comma-separated names (default: every host)")
     every.add_argument("cmd", nargs=argparse.REMAINDER)
     sub.add_parser("down", help="remove the cluster")
     args = parser.parse_args(argv)
@@ -54,7 +56,7 @@ def _up(prefix: str, n: int, with_slurm: bool) -> int:
     cluster = hosts.up(n, prefix)
     if with_slurm:
         slurm.start(cluster, cpus_per_node=SLURM_CPUS, gpus_per_node=SLURM_GPUS)
-        print(f"slurm: export SLURM_CONF={slurm.folder_of(cluster)}/slurm.conf")
+        print(f"slurm: SLURM_CONF={slurm.folder_of(cluster)}/slurm.conf (exec and all set it)")
     _print_status(cluster)
     return 0
 
@@ -71,21 +73,27 @@ def _print_status(cluster: hosts.Cluster, _: object = None) -> int:
 
 
 def _exec(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
-    done = cluster.run(cluster.host(args.host), args.cmd, timeout=None)
+    done = cluster.run(cluster.host(args.host), args.cmd, timeout=None, env=_slurm_env(cluster))
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode
 
 
 def _all(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
-    results = launch.run_on_hosts(
-        cluster, {h: args.cmd for h in cluster.hosts}, timeout=args.timeout
-    )
+    chosen = [cluster.host(n) for n in args.hosts.split(",")] if args.hosts else cluster.hosts
+    commands = {h: args.cmd for h in chosen}
+    results = launch.run_on_hosts(cluster, commands, _slurm_env(cluster), timeout=args.timeout)
     for r in results:
         state = "timed out" if r.timed_out else f"exit {r.returncode}"
         print(f"===== {r.host}: {state} after {r.seconds:.1f} s")
         sys.stdout.write(r.output)
     return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+def _slurm_env(cluster: hosts.Cluster) -> dict[str, str]:
+    """SLURM_CONF for every command on a cluster that runs Slurm (sbatch, squeue, srun...)."""
+    conf = os.path.join(slurm.folder_of(cluster), "slurm.conf")
+    return {"SLURM_CONF": conf} if os.path.exists(conf) else {}
 
 
 def _down(cluster: hosts.Cluster, _: argparse.Namespace) -> int:

@@ -106,7 +106,11 @@ class Cluster:
                 out.close()
 
     def run(
-        self, host: Host, argv: Sequence[str], timeout: float | None = 60
+        self,
+        host: Host,
+        argv: Sequence[str],
+        timeout: float | None = 60,
+        env: Mapping[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run argv on `host` to the end; its output as text."""
         return subprocess.run(
@@ -115,7 +119,7 @@ class Cluster:
             text=True,
             timeout=timeout,
             check=False,
-            env=host_environment(),
+            env=host_environment(env),
         )
 
     def processes(self, host: Host) -> list[int]:
