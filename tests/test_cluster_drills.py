@@ -1,11 +1,13 @@
 """Multi-node failures reproduced on a cluster of three hosts, each explained and then fixed;
-Slurm runs the course's batch file on two of them (`make cluster`, deselected by `make test`).
+Slurm runs the course's batch file and the deepspeed launcher its script on two of them (`make
+cluster`, deselected by `make test`).
 
 Each drill asserts three things: the broken launch fails with torch's or gloo's own words, the
 preflight says what is wrong in one line before anything starts, and the fixed launch passes.
 """
 
 import os
+import re
 import subprocess
 import time
 
@@ -14,7 +16,7 @@ import pytest
 from day24_checkpoint import host_drill
 from day24_checkpoint.drill import Config as DrillConfig
 from day24_checkpoint.drill import Drills
-from dtl.cluster import drills, hosts, launch, slurm
+from dtl.cluster import drills, hosts, launch, slurm, ssh
 
 NEEDS = hosts.missing_capability()
 pytestmark = [
@@ -130,3 +132,27 @@ def test_slurm_runs_the_course_batch_file_on_two_nodes_equal_to_one_process(clus
         output = f.read()
     assert "2 hosts: node0 (rank 0), node1 (rank 1)" in output
     assert "losses match one process yes" in output, output[-2000:]
+
+
+def test_the_deepspeed_launcher_runs_the_course_script_on_two_hosts_equal_to_one_process(cluster):
+    missing = ssh.missing_packages()
+    if missing:
+        pytest.skip(f"no ssh or pdsh here: {missing}")
+    env = ssh.start(cluster)  # an sshd per host; pdsh's ssh options; the ranks' environment
+    node0, node1 = cluster.hosts[:2]
+    hostfile = ssh.hostfile(cluster, slots=1, hosts=[node0, node1])
+    script = ["bash", "day28_gpt125m/launch/deepspeed.sh", "--workers=0"]
+    env.update(HOSTFILE=hostfile, GPUS_PER_NODE="1", CONFIG="", STEPS="2")
+    done = subprocess.run(
+        ssh.client_command(cluster, node0, script),
+        env=hosts.host_environment(env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "node0: 2 hosts: node0 (rank 0), node1 (rank 1)" in output  # pdsh names each line
+    assert re.search(
+        r"node0: summary: day28 zero3 \S+ on 2 ranks .*losses match one process yes", output
+    )

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from dtl.cluster import hosts, launch, slurm
+from dtl.cluster import hosts, launch, slurm, ssh
 
 # each node as the course's Slurm batch file asks for (--cpus-per-task=32, --gpus-per-node=8):
 # slurmd takes the configured counts (config_overrides); the GPUs are counts, no devices
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     make = sub.add_parser("up", help="make N hosts")
     make.add_argument("n", type=int)
     make.add_argument("--slurm", action="store_true", help="start munged, slurmctld, slurmd")
+    make.add_argument("--ssh", action="store_true", help="start sshd (the deepspeed launcher)")
     sub.add_parser("status", help="the hosts and what runs on them")
     one = sub.add_parser("exec", help="run a command on one host")
     one.add_argument("host")
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="remove the cluster")
     args = parser.parse_args(argv)
     if args.action == "up":
-        return _up(args.prefix, args.n, args.slurm)
+        return _up(args.prefix, args.n, args.slurm, args.ssh)
     cluster = hosts.load(args.prefix)
     if cluster is None:
         print(f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)")
@@ -48,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     return ACTIONS[args.action](cluster, args)
 
 
-def _up(prefix: str, n: int, with_slurm: bool) -> int:
-    problem = hosts.missing_capability() or (with_slurm and slurm.missing_packages())
+def _up(prefix: str, n: int, with_slurm: bool, with_ssh: bool) -> int:
+    problem = (
+        hosts.missing_capability()
+        or (with_slurm and slurm.missing_packages())
+        or (with_ssh and ssh.missing_packages())
+    )
     if problem:
         print(f"error: cannot build the cluster here: {problem}")
         return 2
@@ -57,6 +62,9 @@ def _up(prefix: str, n: int, with_slurm: bool) -> int:
     if with_slurm:
         slurm.start(cluster, cpus_per_node=SLURM_CPUS, gpus_per_node=SLURM_GPUS)
         print(f"slurm: SLURM_CONF={slurm.folder_of(cluster)}/slurm.conf (exec and all set it)")
+    if with_ssh:
+        ssh.start(cluster)
+        print(f"ssh: hostfile {ssh.hostfile(cluster, slots=1)}; `exec` runs with its ssh config")
     _print_status(cluster)
     return 0
 
@@ -73,7 +81,9 @@ def _print_status(cluster: hosts.Cluster, _: object = None) -> int:
 
 
 def _exec(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
-    done = cluster.run(cluster.host(args.host), args.cmd, timeout=None, env=_slurm_env(cluster))
+    argv = ssh.with_client_config(cluster, args.cmd) if ssh.launcher_env(cluster) else args.cmd
+    env = {**_slurm_env(cluster), **ssh.launcher_env(cluster)}
+    done = cluster.run(cluster.host(args.host), argv, timeout=None, env=env)
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from dtl.dist import exit_with_error
 from dtl.preflight import checks, exchange, network
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -31,9 +32,9 @@ def parse(argv: list[str] | None) -> tuple[checks.Launch, float]:
     args = parser.parse_args(argv)
     host, _, port = args.endpoint.rpartition(":")
     if not host or not port.isdigit():
-        parser.error(f"--endpoint={args.endpoint}: expected host:port (or set MASTER_ADDR)")
+        exit_with_error(f"--endpoint={args.endpoint}: expected host:port (or set MASTER_ADDR)")
     if args.nnodes < 1:
-        parser.error(f"--nnodes={args.nnodes}: at least 1")
+        exit_with_error(f"--nnodes={args.nnodes}: at least 1")
     folders = tuple(f for f in args.folders.split(",") if f)
     return checks.Launch(host, int(port), args.nnodes, args.node_rank, folders), args.timeout
 
