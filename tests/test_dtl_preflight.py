@@ -47,6 +47,11 @@ def test_a_loopback_endpoint_is_named_on_every_node_but_the_one_it_names(monkeyp
 
 
 def test_a_hostname_at_127_0_1_1_is_named_unless_gloo_is_told_its_interface(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "node1")
+    monkeypatch.setattr(network, "resolve", lambda host: [])
+    (unresolved,) = checks.gloo_problems({"GLOO_SOCKET_IFNAME": "eth0"})
+    assert unresolved.startswith("hostname node1 does not resolve on this node")
+    monkeypatch.setattr(network, "resolve", lambda host: ["127.0.1.1"])
     monkeypatch.setattr(network, "gloo_address", lambda ifname: "127.0.1.1")
     (line,) = checks.gloo_problems({})
     assert "resolves to 127.0.1.1: gloo would bind it" in line

@@ -28,13 +28,14 @@ STATIC_TIMEOUT_S = 8  # static rendezvous: --rdzv-conf=timeout (torch's default 
 class Setup:
     """How both hosts launch: c10d (the rendezvous numbers the nodes) or static (MASTER_ADDR
     and --node_rank per host); extra environment; Debian's hosts file (the host's own name at
-    127.0.1.1) or the cluster's."""
+    127.0.1.1) or the cluster's; the hosts' own names, or others no hosts file holds."""
 
     static: bool = False
     master_addr: tuple[str, str] = ("node0", "node0")  # per host (static)
     node_rank: tuple[int, int] = (0, 1)  # per host (static)
     env: Mapping[str, str] = field(default_factory=dict)
     debian_hosts: bool = False
+    hostnames: tuple[str, str] | None = None  # names the hosts file does not hold (None: theirs)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,14 @@ class Drill:
 
 
 DRILLS = (
+    Drill(
+        "hostname_unresolved",
+        "each host's name is in no hosts file and no DNS (a fresh cloud image)",
+        Setup(hostnames=("trainer-a", "trainer-b")),
+        Setup(),
+        r"socket\.gaierror: \[Errno -?\d+\]",
+        r"hostname trainer-a does not resolve on this node",
+    ),
     Drill(
         "loopback_hostname",
         "each host's name maps to 127.0.1.1 in /etc/hosts (Debian's default)",
@@ -128,10 +137,12 @@ def run(cluster: hosts.Cluster, setup: Setup, preflight: bool = False) -> Outcom
     line = preflight_line if preflight else torchrun_line
     commands = {h: line(setup, i) for i, h in enumerate(pair)}
     files = debian_hosts_files(cluster, pair) if setup.debian_hosts else None
+    names = dict(zip(pair, setup.hostnames, strict=True)) if setup.hostnames else None
     timeout = 4 * STATIC_TIMEOUT_S
-    return Outcome(
-        launch.run_on_hosts(cluster, commands, setup.env, timeout=timeout, hosts_files=files)
+    runs = launch.run_on_hosts(
+        cluster, commands, setup.env, timeout=timeout, hosts_files=files, hostnames=names
     )
+    return Outcome(runs)
 
 
 def debian_hosts_files(cluster: hosts.Cluster, pair: list[hosts.Host]) -> dict[hosts.Host, str]:

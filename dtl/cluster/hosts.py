@@ -70,9 +70,15 @@ class Cluster:
     def private_folder(self, host: Host) -> str:
         return os.path.join(self.folder, "private", host.name)
 
-    def command(self, host: Host, argv: Sequence[str], hosts_file: str | None = None) -> list[str]:
+    def command(
+        self,
+        host: Host,
+        argv: Sequence[str],
+        hosts_file: str | None = None,
+        hostname: str | None = None,
+    ) -> list[str]:
         """argv run on `host`: in its network namespace, with its hostname and its local folder
-        (and `hosts_file` over /etc/hosts if given: the drills' wrong hosts files)."""
+        (`hosts_file` over /etc/hosts, `hostname` for its own: the drills' wrong ones)."""
         prologue = (
             'hostname "$1" && mount --bind "$2" "$3" || exit 97; '
             'if [ -n "$4" ]; then mount --bind "$4" /etc/hosts || exit 97; fi; '
@@ -80,7 +86,7 @@ class Cluster:
         )
         return [
             "ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c", prologue, "sh",
-            host.name, self.private_folder(host), self.local, hosts_file or "", *argv,
+            hostname or host.name, self.private_folder(host), self.local, hosts_file or "", *argv,
         ]  # fmt: skip
 
     def spawn(
@@ -90,12 +96,13 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         log: str | None = None,
         hosts_file: str | None = None,
+        hostname: str | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start argv on `host` (its output to `log`, else discarded); the caller waits."""
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
         try:
             return subprocess.Popen(
-                self.command(host, argv, hosts_file),
+                self.command(host, argv, hosts_file, hostname),
                 env=host_environment(env),
                 stdout=out,
                 stderr=subprocess.STDOUT,

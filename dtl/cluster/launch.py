@@ -38,10 +38,12 @@ def run_on_hosts(
     logs: str | None = None,
     host_env: Mapping[Host, Mapping[str, str]] | None = None,
     hosts_files: Mapping[Host, str] | None = None,
+    hostnames: Mapping[Host, str] | None = None,
 ) -> list[HostRun]:
     """Start every host's command, wait for all (or the timeout), return one HostRun per host.
     `env` is added to every host's environment, `host_env[host]` to that host's only, and
-    `hosts_files[host]` replaces that host's /etc/hosts (the drills' wrong ones)."""
+    `hosts_files[host]` replaces that host's /etc/hosts and `hostnames[host]` its own name (the
+    drills' wrong ones)."""
     logs = logs or os.path.join(cluster.folder, "logs")
     os.makedirs(logs, exist_ok=True)
     t0 = time.monotonic()
@@ -53,6 +55,7 @@ def run_on_hosts(
             env={**(env or {}), **(host_env or {}).get(host, {})},
             log=os.path.join(logs, f"{host.name}.log"),
             hosts_file=(hosts_files or {}).get(host),
+            hostname=(hostnames or {}).get(host),
         )
     ended: dict[Host, float] = {}
     while len(ended) < len(procs) and time.monotonic() - t0 < timeout:

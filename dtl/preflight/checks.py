@@ -83,12 +83,18 @@ def interface_problems(env: Mapping[str, str]) -> list[str]:
 
 
 def gloo_problems(env: Mapping[str, str]) -> list[str]:
+    name = socket.gethostname()
+    if not network.resolve(name):
+        return [
+            f"hostname {name} does not resolve on this node: torchrun's agent stops at it "
+            "(socket.gaierror) and gloo would fall back to loopback; add it to /etc/hosts "
+            "with the address of the interface that reaches the other nodes"
+        ]
     if env.get("GLOO_SOCKET_IFNAME"):
         return []  # named: interface_problems checked it
-    name = socket.gethostname()
     address = network.gloo_address(None)
     if address is None or network.is_loopback(address):
-        shown = address or "nothing of this node's (gloo falls back to loopback)"
+        shown = address or "no address of this node's (gloo falls back to loopback)"
         return [
             f"hostname {name} resolves to {shown}: gloo would bind it and the other nodes would "
             f"dial their own loopback; set GLOO_SOCKET_IFNAME to the interface that reaches them "

@@ -133,8 +133,8 @@ def together_problems(nodes: list[NodeFacts]) -> list[str]:
     ]
     names = Counter(n.hostname for n in nodes)
     problems += [
-        f"hostname {name} is on {count} nodes: torchrun decides who hosts the rendezvous by "
-        "hostname; give each node its own"
+        f"hostname {name} is on {count} nodes: whatever tells nodes apart by name (a hostfile, "
+        "Slurm, the logs, which ranks share a host) sees one node; give each node its own"
         for name, count in sorted(names.items())
         if count > 1
     ]
