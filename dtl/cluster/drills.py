@@ -138,9 +138,10 @@ def run(cluster: hosts.Cluster, setup: Setup, preflight: bool = False) -> Outcom
     commands = {h: line(setup, i) for i, h in enumerate(pair)}
     files = debian_hosts_files(cluster, pair) if setup.debian_hosts else None
     names = dict(zip(pair, setup.hostnames, strict=True)) if setup.hostnames else None
+    env = {"DTL_TIMEOUT_S": str(STATIC_TIMEOUT_S), **setup.env}  # the probe's group, too
     timeout = 4 * STATIC_TIMEOUT_S
     runs = launch.run_on_hosts(
-        cluster, commands, setup.env, timeout=timeout, hosts_files=files, hostnames=names
+        cluster, commands, env, timeout=timeout, hosts_files=files, hostnames=names
     )
     return Outcome(runs)
 
