@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -66,14 +67,18 @@ def kill_and_replace(cluster: hosts.Cluster, drills: Drills, timeout: float = 12
     os.makedirs(logs, exist_ok=True)
     t0 = time.monotonic()
     survivor = cluster.spawn(first, line, ENV, log=os.path.join(logs, "drill-node0.log"))
-    cluster.spawn(victim, line, ENV, log=os.path.join(logs, "drill-node1.log"))
+    doomed = cluster.spawn(victim, line, ENV, log=os.path.join(logs, "drill-node1.log"))
     pointer = os.path.join(out_dir, "ckpt", "latest")  # day 24's commit: the last thing written
-    while not os.path.exists(pointer) and time.monotonic() - t0 < timeout:
+    while not os.path.exists(pointer) and survivor.poll() is None:
+        if time.monotonic() - t0 > timeout:
+            break
         time.sleep(0.05)
     killed_at = time.monotonic() - t0
     cluster.kill_host(victim)
+    doomed.wait()
     joiner = cluster.spawn(spare, line, ENV, log=os.path.join(logs, "drill-node2.log"))
-    codes = [_wait(p, t0 + timeout) for p in (survivor, joiner)]
+    deadline = t0 + timeout
+    codes = [_wait_or_end(cluster, h, p, deadline) for h, p in ((first, survivor), (spare, joiner))]
     with open(os.path.join(logs, "drill-node0.log"), errors="replace") as f:
         output = f.read()
     run = Run(max(codes, key=abs), output, out_dir, time.monotonic() - t0)
@@ -81,13 +86,16 @@ def kill_and_replace(cluster: hosts.Cluster, drills: Drills, timeout: float = 12
     return HostDrill(run, victim.name, killed_at, spare.name, same)
 
 
-def _wait(proc, deadline: float) -> int:
+def _wait_or_end(
+    cluster: hosts.Cluster, host: hosts.Host, proc: subprocess.Popen[bytes], deadline: float
+) -> int:
+    """The agent's exit code; past the deadline, everything it started on its host is ended
+    (torchrun's workers run in their own sessions: killing the agent alone leaves them)."""
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     if proc.poll() is None:
-        proc.kill()
-        return -9
-    return proc.returncode
+        cluster.end_runs(host)
+    return proc.wait()
 
 
 def main() -> int:

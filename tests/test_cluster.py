@@ -18,6 +18,7 @@ needs_cluster = pytest.mark.skipif(NEEDS is not None, reason=f"no cluster here: 
 
 
 def test_without_root_the_cluster_names_what_is_missing_in_one_line(monkeypatch):
+    monkeypatch.setattr(hosts.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     monkeypatch.setattr(hosts.os, "geteuid", lambda: 1000)
     assert hosts.missing_capability() == "not root: namespaces, links and mounts need root"
 
@@ -52,10 +53,12 @@ def test_each_host_has_its_own_name_address_and_local_folder_and_sees_the_others
 @needs_cluster
 def test_up_and_down_leave_nothing_behind():
     made = hosts.up(2, PREFIX + "x")
-    assert hosts.leftovers(made), "leftovers() must see a cluster that is up"
-    victim = made.spawn(made.hosts[1], ["sleep", "60"])
-    hosts.down(made)
-    assert victim.wait(timeout=5) == -9  # killed by pid, as down() recorded it
+    try:
+        assert hosts.leftovers(made), "leftovers() must see a cluster that is up"
+        victim = made.spawn(made.hosts[1], ["sleep", "60"])
+    finally:
+        hosts.down(made)
+    assert victim.wait(timeout=5) == -9  # killed inside its host's namespace (ip netns pids)
     assert hosts.leftovers(made) == []
 
 

@@ -44,8 +44,12 @@ def test_each_failure_is_reproduced_named_by_the_preflight_and_fixed(cluster, dr
     said = drills.run(cluster, drill.broken, preflight=True)
     assert not said.ok and said.shows(drill.preflight), said.text()
     assert all(r.seconds < drills.STATIC_TIMEOUT_S + 5 for r in said.runs), "preflight hung"
+    for r in said.runs:  # one line per problem, nothing else: torch's own logs stay out of it
+        lines = [x for x in r.output.splitlines() if x and not x.startswith("[W")]
+        assert all(x.startswith("preflight: problem: ") for x in lines), r.output
     fixed = drills.run(cluster, drill.fixed)
     assert fixed.ok and fixed.shows(r"summary: probe 2 hosts: node0 \(rank 0\), node1 \(rank 1\)")
+    assert drills.run(cluster, drill.fixed, preflight=True).ok  # and the preflight passes it
 
 
 def test_the_preflight_passes_a_good_launch_and_names_a_folder_only_one_node_sees(cluster):
@@ -103,7 +107,7 @@ def test_slurm_runs_the_course_batch_file_on_two_nodes_equal_to_one_process(clus
     missing = slurm.missing_packages()
     if missing:
         pytest.skip(f"no Slurm here: {missing}")
-    slurm.start(cluster, cpus_per_node=32, gpus_per_node=8)  # what the batch file asks for
+    slurm.start(cluster)  # nodes as the batch file asks for them: 32 CPUs, 8 GPUs (counts)
     node0 = cluster.hosts[0]
     env = {**slurm.slurm_env(slurm.folder_of(cluster)), "CONFIG": "", "GPUS_PER_NODE": "1"}
     env["STEPS"] = "2"

@@ -4,6 +4,7 @@ import socket
 
 import pytest
 
+from dtl.preflight import __main__ as preflight
 from dtl.preflight import checks, exchange, network
 
 
@@ -48,16 +49,20 @@ def test_a_loopback_endpoint_is_named_on_every_node_but_the_one_it_names(monkeyp
 
 def test_a_hostname_at_127_0_1_1_is_named_unless_gloo_is_told_its_interface(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "node1")
+    monkeypatch.setattr(network, "interfaces", lambda: {"lo": "127.0.0.1", "eth0": "10.0.0.5"})
     monkeypatch.setattr(network, "resolve", lambda host: [])
     (unresolved,) = checks.gloo_problems({"GLOO_SOCKET_IFNAME": "eth0"})
     assert unresolved.startswith("hostname node1 does not resolve on this node")
-    monkeypatch.setattr(network, "resolve", lambda host: ["127.0.1.1"])
-    monkeypatch.setattr(network, "gloo_address", lambda ifname: "127.0.1.1")
+    monkeypatch.setattr(network, "resolve", lambda host: ["127.0.1.1"])  # Debian's hosts file
+    assert network.gloo_address(None) == "127.0.1.1"  # loopback, and bindable: gloo takes it
     (line,) = checks.gloo_problems({})
     assert "resolves to 127.0.1.1: gloo would bind it" in line
     assert checks.gloo_problems({"GLOO_SOCKET_IFNAME": "eth0"}) == []
-    monkeypatch.setattr(network, "gloo_address", lambda ifname: "10.0.0.5")
+    monkeypatch.setattr(network, "resolve", lambda host: ["10.0.0.5"])
+    assert network.gloo_address(None) == "10.0.0.5"
     assert checks.gloo_problems({}) == []
+    monkeypatch.setattr(network, "resolve", lambda host: ["10.9.9.9"])  # not this node's
+    assert "gloo falls back to loopback" in checks.gloo_problems({})[0]
 
 
 def _node(name, rank=None, torch="2.13.0", course="0.1.0+abc", markers=None):
@@ -77,7 +82,8 @@ def test_nodes_together_name_a_shared_rank_a_shared_hostname_and_versions_that_d
 def test_a_folder_is_shared_when_each_node_sees_the_others_markers(tmp_path, monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "a")
     folder = str(tmp_path)
-    mine = exchange.write_markers((folder,))
+    mine: dict[str, str] = {}
+    exchange.write_markers((folder,), mine)
     theirs = {folder: str(tmp_path / ".dtl-preflight-b-1")}
     seen = [_node("a", markers=mine), _node("b", markers=theirs)]
     (unshared,) = exchange.folder_problems(seen, me=0)
@@ -92,12 +98,14 @@ def test_a_folder_is_shared_when_each_node_sees_the_others_markers(tmp_path, mon
     "argv, line",
     [
         (["--endpoint=node0"], "error: --endpoint=node0: expected host:port (or set MASTER_ADDR)"),
-        (["--endpoint=node0:1", "--nnodes=0"], "error: --nnodes=0: at least 1"),
+        (
+            ["--endpoint=node0:1", "--nnodes=1:2"],
+            "error: --nnodes=1:2: a number of nodes from 1 (elastic MIN:MAX: give MAX)",
+        ),
     ],
 )
-def test_a_bad_launch_description_is_refused_in_one_line(argv, line, capsys):
-    from dtl.preflight import __main__ as preflight
-
+def test_a_bad_launch_description_is_refused_in_one_line(argv, line, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # a node's preflight speaks whatever rank its job says
     with pytest.raises(SystemExit) as stop:
         preflight.main(argv)
     assert stop.value.code == 2
@@ -105,8 +113,6 @@ def test_a_bad_launch_description_is_refused_in_one_line(argv, line, capsys):
 
 
 def test_one_node_passes_alone_and_says_what_it_checked(tmp_path, capsys):
-    from dtl.preflight import __main__ as preflight
-
     assert preflight.main(["--endpoint=localhost:0", "--timeout=5", f"--folders={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "ok, 1 of 1 nodes met at localhost:0 = 127.0.0.1" in out

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 
 from dtl.cluster import hosts, launch, slurm, ssh
-
-# each node as the course's Slurm batch file asks for (--cpus-per-task=32, --gpus-per-node=8):
-# slurmd takes the configured counts (config_overrides); the GPUs are counts, no devices
-SLURM_CPUS = 32
-SLURM_GPUS = 8
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,13 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     every.add_argument("cmd", nargs=argparse.REMAINDER)
     sub.add_parser("down", help="remove the cluster")
     args = parser.parse_args(argv)
-    if args.action == "up":
-        return _up(args.prefix, args.n, args.slurm, args.ssh)
-    cluster = hosts.load(args.prefix)
-    if cluster is None:
-        print(f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)")
+    try:
+        if args.action == "up":
+            return _up(args.prefix, args.n, args.slurm, args.ssh)
+        cluster = hosts.load(args.prefix)
+        if cluster is None:
+            print(f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)")
+            return 2
+        return ACTIONS[args.action](cluster, args)
+    except (RuntimeError, ValueError, KeyError, TimeoutError) as err:  # said in one line
+        print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
-    return ACTIONS[args.action](cluster, args)
 
 
 def _up(prefix: str, n: int, with_slurm: bool, with_ssh: bool) -> int:
@@ -59,14 +59,24 @@ def _up(prefix: str, n: int, with_slurm: bool, with_ssh: bool) -> int:
         print(f"error: cannot build the cluster here: {problem}")
         return 2
     cluster = hosts.up(n, prefix)
+    try:
+        _start_daemons(cluster, with_slurm, with_ssh)
+    except BaseException:
+        hosts.down(cluster)  # nothing half-made stays behind
+        raise
+    _print_status(cluster)
+    return 0
+
+
+def _start_daemons(cluster: hosts.Cluster, with_slurm: bool, with_ssh: bool) -> None:
     if with_slurm:
-        slurm.start(cluster, cpus_per_node=SLURM_CPUS, gpus_per_node=SLURM_GPUS)
-        print(f"slurm: SLURM_CONF={slurm.folder_of(cluster)}/slurm.conf (exec and all set it)")
+        slurm.start(cluster)
+        print(
+            f"slurm: SLURM_CONF={slurm.conf_path(slurm.folder_of(cluster))} (exec and all set it)"
+        )
     if with_ssh:
         ssh.start(cluster)
         print(f"ssh: hostfile {ssh.hostfile(cluster, slots=1)}; `exec` runs with its ssh config")
-    _print_status(cluster)
-    return 0
 
 
 def _print_status(cluster: hosts.Cluster, _: object = None) -> int:
@@ -83,10 +93,8 @@ def _print_status(cluster: hosts.Cluster, _: object = None) -> int:
 def _exec(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
     argv = ssh.with_client_config(cluster, args.cmd) if ssh.launcher_env(cluster) else args.cmd
     env = {**_slurm_env(cluster), **ssh.launcher_env(cluster)}
-    done = cluster.run(cluster.host(args.host), argv, timeout=None, env=env)
-    sys.stdout.write(done.stdout)
-    sys.stderr.write(done.stderr)
-    return done.returncode
+    command = cluster.command(cluster.host(args.host), argv)
+    return subprocess.run(command, env=hosts.host_environment(env), check=False).returncode
 
 
 def _all(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
@@ -102,7 +110,7 @@ def _all(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
 
 def _slurm_env(cluster: hosts.Cluster) -> dict[str, str]:
     """SLURM_CONF for every command on a cluster that runs Slurm (sbatch, squeue, srun...)."""
-    conf = os.path.join(slurm.folder_of(cluster), "slurm.conf")
+    conf = slurm.conf_path(slurm.folder_of(cluster))
     return {"SLURM_CONF": conf} if os.path.exists(conf) else {}
 
 

@@ -92,7 +92,7 @@ DRILLS = (
 )
 
 
-def torchrun_line(setup: Setup, i: int, module: str = "dtl.cluster.probe") -> list[str]:
+def torchrun_line(setup: Setup, i: int) -> list[str]:
     """Host i's launch line."""
     line = ["torchrun", "--nnodes=2", "--nproc_per_node=1"]
     if setup.static:
@@ -104,7 +104,7 @@ def torchrun_line(setup: Setup, i: int, module: str = "dtl.cluster.probe") -> li
         ]
     else:
         line += ["--rdzv-backend=c10d", f"--rdzv-endpoint=node0:{PORT}", "--rdzv-id=drill"]
-    return [*line, "-m", module]
+    return [*line, "-m", "dtl.cluster.probe"]
 
 
 def preflight_line(setup: Setup, i: int) -> list[str]:

@@ -26,8 +26,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from dtl.cluster.processes import alive, send_signal, stop
+
 SUBNET = "10.77.0"  # the course's test hosts: 10.77.0.1, 10.77.0.2, ... on this machine only
 ETC_NETNS = "/etc/netns"
+KILL_ROUNDS = 50  # kill_host's passes: processes that fork while they are killed
 CAP_NET_ADMIN = 12  # bits of /proc/self/status CapEff
 CAP_SYS_ADMIN = 21
 
@@ -136,12 +139,23 @@ class Cluster:
         )
         return [int(p) for p in out.stdout.split()]
 
-    def kill_host(self, host: Host) -> list[int]:
-        """End every process of the host at once, as a power cut would; the pids it killed."""
-        pids = self.processes(host)
-        for pid in pids:
-            send_signal(pid, signal.SIGKILL)
-        return pids
+    def kill_host(self, host: Host, spare: Sequence[int] = ()) -> list[int]:
+        """End every process of the host (but `spare`), as a power cut would, again until none
+        is left (a process may fork while the others die); the pids it killed."""
+        killed: list[int] = []
+        for _ in range(KILL_ROUNDS):
+            pids = [p for p in self.processes(host) if p not in spare and alive(p)]
+            if not pids:
+                break
+            for pid in pids:
+                send_signal(pid, signal.SIGKILL)
+            killed += pids
+            time.sleep(0.02)
+        return killed
+
+    def end_runs(self, host: Host) -> list[int]:
+        """Kill what a command started on the host, leaving the cluster's daemons running."""
+        return self.kill_host(host, spare=list(self.daemons.values()))
 
     def save(self) -> None:
         with open(os.path.join(self.folder, "state.json"), "w") as f:
@@ -181,20 +195,22 @@ def _effective_capabilities() -> int:
     return 0
 
 
-def up(n: int, prefix: str = "dtl", subnet: str = SUBNET) -> Cluster:
-    """Make n hosts node0..node{n-1} at subnet.1..subnet.n on one bridge; record them."""
+def up(n: int, prefix: str = "dtl") -> Cluster:
+    """Make n hosts node0..node{n-1} at SUBNET.1..SUBNET.n on one bridge; record them."""
     if load(prefix) is not None:
         raise RuntimeError(f"cluster {prefix} is up already: `python -m dtl.cluster down` first")
     if not 1 <= n <= 200:
         raise ValueError(f"hosts: 1 to 200, not {n}")
-    folder = state_folder(prefix)
-    os.makedirs(os.path.join(folder, "local"))
-    os.makedirs(os.path.join(folder, "shared"))
     hosts = [
-        Host(f"node{i}", f"{prefix}-node{i}", f"{subnet}.{i + 1}", f"{prefix}-v{i}")
+        Host(f"node{i}", f"{prefix}-node{i}", f"{SUBNET}.{i + 1}", f"{prefix}-v{i}")
         for i in range(n)
     ]
-    cluster = Cluster(prefix, folder, f"{prefix}-br0", hosts)
+    cluster = Cluster(prefix, state_folder(prefix), f"{prefix}-br0", hosts)
+    taken = _names_in_use(cluster)
+    if taken:  # made by something else: never ours to remove on a rollback
+        raise RuntimeError(f"{', '.join(taken)} exist already on this machine: another prefix")
+    os.makedirs(cluster.local)
+    os.makedirs(cluster.shared)
     cluster.save()  # recorded before anything is made: `down` finds a half-made cluster too
     try:
         _ip("link", "add", cluster.bridge, "type", "bridge")
@@ -205,6 +221,20 @@ def up(n: int, prefix: str = "dtl", subnet: str = SUBNET) -> Cluster:
         down(cluster)
         raise
     return cluster
+
+
+def _names_in_use(cluster: Cluster) -> list[str]:
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = _link_names()
+    taken = [h.netns for h in cluster.hosts if h.netns in namespaces.split()]
+    taken += [name for name in (cluster.bridge, *(h.link for h in cluster.hosts)) if name in links]
+    return taken
+
+
+def _link_names() -> set[str]:
+    """The machine's link names (`ip -o link`: "3: dtl-v0@if2: <...>")."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
 def _make_host(cluster: Cluster, host: Host) -> None:
@@ -240,15 +270,10 @@ def load(prefix: str = "dtl") -> Cluster | None:
 
 def down(cluster: Cluster) -> None:
     """Remove what `up` (and the daemons' start) recorded: processes, namespaces, links, files."""
-    for pid in reversed(cluster.daemons.values()):  # the node agents first, munged last
-        send_signal(pid, signal.SIGTERM)
-    wait_gone(list(cluster.daemons.values()), timeout=5)
-    for host in cluster.hosts:  # what is left: jobs' tasks, runs, a daemon that did not stop
+    stop(list(cluster.daemons.values()))  # in the order they started: munged first, last
+    for host in cluster.hosts:  # what is left: jobs' tasks, runs
         if os.path.exists(f"/run/netns/{host.netns}"):
             cluster.kill_host(host)
-    for pid in cluster.daemons.values():
-        send_signal(pid, signal.SIGKILL)
-    wait_gone(list(cluster.daemons.values()), timeout=5)
     for host in cluster.hosts:
         subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", host.link], capture_output=True, check=False)
@@ -260,18 +285,10 @@ def down(cluster: Cluster) -> None:
 
 def leftovers(cluster: Cluster) -> list[str]:
     """What of the cluster is still on the machine (after `down`: nothing)."""
-    left = []
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    left = [f"name {name}" for name in _names_in_use(cluster)]  # namespaces, links, bridge
     for host in cluster.hosts:
-        if host.netns in namespaces.split():
-            left.append(f"namespace {host.netns}")
-        if f" {host.link}@" in links or f" {host.link}:" in links:
-            left.append(f"link {host.link}")
         if os.path.exists(os.path.dirname(cluster.hosts_file(host))):
             left.append(f"folder {os.path.dirname(cluster.hosts_file(host))}")
-    if f" {cluster.bridge}:" in links:
-        left.append(f"bridge {cluster.bridge}")
     if os.path.exists(cluster.folder):
         left.append(f"folder {cluster.folder}")
     left += [f"process {name} {pid}" for name, pid in cluster.daemons.items() if alive(pid)]
@@ -282,34 +299,6 @@ def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
-
-
-def send_signal(pid: int, sig: signal.Signals) -> None:
-    """Signal pid if it still exists."""
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def alive(pid: int) -> bool:
-    """Is pid running? A child of ours that ended is reaped here; a zombie counts as ended."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:  # not our child: the kernel's table says
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state after the name
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _unmount_under(folder: str) -> None:

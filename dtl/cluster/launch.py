@@ -4,8 +4,8 @@
 
 Each host's command starts in its namespace (Cluster.spawn); all run together, as the same line
 typed on every node of a real cluster. A host still running at `timeout` has every process in
-its namespace killed, and its result says so (returncode None): a hang is a result, never a
-stuck test.
+its namespace killed but the cluster's daemons, and its result says so (returncode None): a
+hang is a result, never a stuck test.
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ def run_on_hosts(
     env: Mapping[str, str] | None = None,
     timeout: float = 120,
     logs: str | None = None,
-    host_env: Mapping[Host, Mapping[str, str]] | None = None,
     hosts_files: Mapping[Host, str] | None = None,
     hostnames: Mapping[Host, str] | None = None,
 ) -> list[HostRun]:
     """Start every host's command, wait for all (or the timeout), return one HostRun per host.
-    `env` is added to every host's environment, `host_env[host]` to that host's only, and
-    `hosts_files[host]` replaces that host's /etc/hosts and `hostnames[host]` its own name (the
-    drills' wrong ones)."""
+    `env` is added to every host's environment; `hosts_files[host]` replaces that host's
+    /etc/hosts and `hostnames[host]` its own name (the drills' wrong ones)."""
     logs = logs or os.path.join(cluster.folder, "logs")
     os.makedirs(logs, exist_ok=True)
     t0 = time.monotonic()
@@ -52,7 +50,7 @@ def run_on_hosts(
         procs[host] = cluster.spawn(
             host,
             argv,
-            env={**(env or {}), **(host_env or {}).get(host, {})},
+            env=env,
             log=os.path.join(logs, f"{host.name}.log"),
             hosts_file=(hosts_files or {}).get(host),
             hostname=(hostnames or {}).get(host),
@@ -66,7 +64,7 @@ def run_on_hosts(
     results = []
     for host, proc in procs.items():
         if host not in ended:
-            cluster.kill_host(host)
+            cluster.end_runs(host)  # what the command started; the cluster's daemons stay
             proc.kill()
         proc.wait()
         with open(os.path.join(logs, f"{host.name}.log"), errors="replace") as f:

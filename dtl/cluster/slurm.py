@@ -27,16 +27,20 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtl.cluster.hosts import Cluster, alive, host_environment, send_signal
+from dtl.cluster.hosts import Cluster, host_environment
+from dtl.cluster.processes import alive, stop
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol")
+# each node as the course's batch file asks (day28_gpt125m/launch/slurm.sbatch: --cpus-per-task=32,
+# --gpus-per-node=8): slurmd takes the configured counts (config_overrides); GPUs are counts only
+BATCH_CPUS = 32
+BATCH_GPUS = 8
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -61,9 +65,14 @@ def missing_packages() -> str | None:
     )
 
 
+def conf_path(folder: str) -> str:
+    """slurm.conf in the folder: what SLURM_CONF names for every Slurm command."""
+    return str(Path(folder).resolve() / "slurm.conf")
+
+
 def slurm_env(folder: str) -> dict[str, str]:
     """The environment for Slurm commands: ours, plus SLURM_CONF pointing into folder."""
-    return host_environment({"SLURM_CONF": str(Path(folder) / "slurm.conf")})
+    return host_environment({"SLURM_CONF": conf_path(folder)})
 
 
 def write_config(
@@ -71,10 +80,10 @@ def write_config(
 ) -> dict[str, str]:
     """Write slurm.conf, cgroup.conf, a fresh munge key and the state folders into folder.
 
-    The first host runs the controller. `gpus_per_node` declares that many GPUs per node as a
-    count (gres.conf, no device files): a batch file asking --gpus-per-node is accepted as on
-    a GPU cluster, and no device is handed out. Returns the environment variables a Slurm
-    command needs (``SLURM_CONF``).
+    The first host runs the controller. `gpus_per_node` declares that many GPUs per node
+    (gres.conf, each GPU an empty stand-in file for its device): a batch file asking
+    --gpus-per-node is accepted as on a GPU cluster, and no device is handed out. Returns the
+    environment variables a Slurm command needs (``SLURM_CONF``).
     """
     root = Path(folder).resolve()
     # munged wants its socket folder open to all (tempfile.mkdtemp makes it 0700).
@@ -138,7 +147,7 @@ def write_config(
         *node_lines,
         f"PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP",
     ]
-    (root / "slurm.conf").write_text("\n".join(settings) + "\n")
+    Path(conf_path(folder)).write_text("\n".join(settings) + "\n")
     # slurmd always loads a cgroup plugin; autodetection fails in containers, so name one.
     # With proctrack/linuxproc and task/none it is loaded but never used.
     (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
@@ -149,7 +158,7 @@ def write_config(
         device.touch()
     lines = [f"NodeName={h.name} Name=gpu File={d}" for h in hosts for d in devices]
     (root / "gres.conf").write_text("\n".join(["AutoDetect=off", *lines]) + "\n")
-    return {"SLURM_CONF": str(root / "slurm.conf")}
+    return {"SLURM_CONF": conf_path(folder)}
 
 
 def run_on(
@@ -203,27 +212,9 @@ def start_daemons(folder: str, hosts: list[SlurmHost], timeout: float = 60) -> l
             launch([*host.run_prefix, "slurmd", "-D", "-N", host.name], f"slurmd-{host.name}")
         _wait_for(lambda: _all_idle(folder, hosts), started, timeout, "all nodes idle")
     except BaseException:
-        stop_daemons([pid for pid, _ in started])
+        stop([pid for pid, _ in started])
         raise
     return [pid for pid, _ in started]
-
-
-def stop_daemons(pids: list[int], grace: float = 5) -> None:
-    """Stop daemons: SIGTERM (newest first), then SIGKILL whatever is left after grace s.
-
-    Jobs still running are not stopped: their ``slurmstepd`` and tasks are not children
-    of these pids. Cancel them first (``scancel``) or kill the host namespace's processes.
-    """
-    for pid in reversed(pids):
-        send_signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in pids:
-        if alive(pid):
-            send_signal(pid, signal.SIGKILL)
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline + grace:
-        time.sleep(0.1)
 
 
 def wait_for_job(folder: str, host: SlurmHost, job_id: str, timeout: float = 120) -> str:
@@ -269,7 +260,9 @@ def hosts_of(cluster: Cluster) -> list[SlurmHost]:
     return [SlurmHost(h.name, h.address, cluster.command(h, [])) for h in cluster.hosts]
 
 
-def start(cluster: Cluster, cpus_per_node: int = 1, gpus_per_node: int = 0) -> None:
+def start(
+    cluster: Cluster, cpus_per_node: int = BATCH_CPUS, gpus_per_node: int = BATCH_GPUS
+) -> None:
     """Write the configuration and start the daemons on the cluster's hosts; their pids are
     recorded in the cluster's state, so `down` stops them."""
     hosts = hosts_of(cluster)

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
-from collections.abc import Mapping
 
-from dtl.cluster.hosts import Cluster, Host, alive, host_environment, send_signal, wait_gone
+from dtl.cluster.hosts import Cluster, Host, host_environment
+from dtl.cluster.processes import alive, stop
 
 APT_LINE = "apt-get install -y --no-install-recommends openssh-server openssh-client pdsh"
 TOOLS = ("sshd", "ssh", "ssh-keygen", "pdsh")
@@ -72,13 +71,11 @@ def client_config(cluster: Cluster) -> str:
     return os.path.join(folder_of(cluster), "ssh_config")
 
 
-def start(
-    cluster: Cluster, remote_env: Mapping[str, str] | None = None, timeout: float = 10
-) -> dict[str, str]:
+def start(cluster: Cluster, timeout: float = 10) -> dict[str, str]:
     """Make the keys and configurations, start one sshd per host (in its namespace) and wait
     until each listens. Returns the environment a launcher on a host needs: pdsh's transport and
-    ssh options, and DS_ENV_FILE, the variables every remote side gets (`remote_env`, default
-    REMOTE_ENV, plus PATH with this Python's folder first)."""
+    ssh options, and DS_ENV_FILE, the variables every remote side gets (REMOTE_ENV, PATH with
+    this Python's folder first, DeepSpeed's prebuilt ops folder)."""
     problem = missing_packages()
     if problem:
         raise RuntimeError(problem)
@@ -104,8 +101,7 @@ def start(
     with open(client_config(cluster), "w") as f:
         f.write(_client_text(folder))
     env_file = os.path.join(folder, "deepspeed_env")
-    extra = REMOTE_ENV if remote_env is None else remote_env
-    forwarded = {"PATH": host_environment()["PATH"], **_prebuilt_ops(), **extra}
+    forwarded = {"PATH": host_environment()["PATH"], **_prebuilt_ops(), **REMOTE_ENV}
     with open(env_file, "w") as f:
         f.writelines(f"{name}={value}\n" for name, value in forwarded.items())
     _start_daemons(cluster, timeout)
@@ -236,11 +232,7 @@ def _start_daemons(cluster: Cluster, timeout: float) -> None:
 
 
 def _stop(cluster: Cluster, started: list[tuple[Host, int]]) -> None:
-    for _, pid in started:
-        send_signal(pid, signal.SIGTERM)
-    wait_gone([pid for _, pid in started], timeout=5)
-    for host, pid in started:
-        if alive(pid):
-            send_signal(pid, signal.SIGKILL)
+    stop([pid for _, pid in started])
+    for host, _ in started:
         del cluster.daemons[f"sshd-{host.name}"]
     cluster.save()

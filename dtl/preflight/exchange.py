@@ -72,54 +72,94 @@ def _commit(head: str) -> str:
         return f.read().strip()[:10]
 
 
-def meet(launch: Launch, timeout: float) -> tuple[list[NodeFacts], list[str]]:
-    """Every node's facts (in join order) and the problems this node sees; a node that cannot
-    reach the endpoint, or nodes that never arrive, are problems too."""
+@dataclass(frozen=True)
+class Meeting:
+    nodes: list[NodeFacts]  # every node's facts, in join order (empty if they never all met)
+    me: int  # this node's place among them
+    problems: list[str]
+
+
+def meet(launch: Launch, timeout: float) -> Meeting:
+    """Every node's facts and the problems this node sees; a node that cannot reach the
+    endpoint, nodes that never arrive and more nodes than --nnodes are problems too."""
+    here, name, endpoint = store_host_here(launch), socket.gethostname(), _endpoint(launch)
+    if not here and not _reachable(launch.host, launch.port, timeout):
+        # c10d's own client would log a stack per retry: one line instead
+        return _failed(
+            f"{name} cannot reach {endpoint} within {timeout:.0f} s: is node 0's preflight "
+            "running, and is the port open between the nodes?"
+        )
     try:
         store = dist.TCPStore(
             launch.host,
             launch.port,
-            is_master=store_host_here(launch),
+            is_master=here,
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
         )
     except (RuntimeError, dist.DistError) as err:
-        first = str(err).splitlines()[0]
-        return [], [f"{socket.gethostname()} cannot reach {launch.host}:{launch.port}: {first}"]
-    markers = write_markers(launch.folders)
+        return _failed(f"{name} cannot use {endpoint}: {_first_line(err)}")
+    markers: dict[str, str] = {}
     try:
+        write_markers(launch.folders, markers)
         return _exchange(store, launch, markers, timeout)
+    except OSError as err:  # a folder this node cannot write
+        return _failed(f"cannot write to {err.filename} on {name}: {err.strerror}")
     except (RuntimeError, dist.DistError) as err:  # the store's host went away mid-way
-        first = str(err).splitlines()[0]
-        return [], [f"{socket.gethostname()} lost {launch.host}:{launch.port}: {first}"]
+        return _failed(f"{name} lost {endpoint}: {_first_line(err)}")
     finally:
         remove_markers(markers)
 
 
+def _failed(problem: str, me: int = -1) -> Meeting:
+    return Meeting([], me, [problem])
+
+
+def _endpoint(launch: Launch) -> str:
+    return f"{launch.host}:{launch.port}"
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
 def _exchange(
     store: dist.TCPStore, launch: Launch, markers: dict[str, str], timeout: float
-) -> tuple[list[NodeFacts], list[str]]:
+) -> Meeting:
     me = store.add(f"{PREFIX}/joined", 1) - 1
+    if me >= launch.nnodes:  # not counted among those the store's host waits for
+        return _failed(f"more than {launch.nnodes} nodes reached {_endpoint(launch)}", me)
     store.set(f"{PREFIX}/node/{me}", json.dumps(asdict(my_facts(launch, markers))))
     keys = [f"{PREFIX}/node/{i}" for i in range(launch.nnodes)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError):
         joined = store.add(f"{PREFIX}/joined", 0)
-        return [], [
-            f"only {joined} of {launch.nnodes} nodes reached {launch.host}:{launch.port} "
-            f"within {timeout:.0f} s (seen from {socket.gethostname()}): check every node's "
-            "endpoint, --nnodes and firewall"
-        ]
+        return _failed(
+            f"only {joined} of {launch.nnodes} nodes reached {_endpoint(launch)} within "
+            f"{timeout:.0f} s (seen from {socket.gethostname()}): check every node's endpoint, "
+            "--nnodes and firewall",
+            me,
+        )
     nodes = [NodeFacts(**json.loads(store.get(k))) for k in keys]
     problems = [*together_problems(nodes), *folder_problems(nodes, me)]
     store.add(f"{PREFIX}/looked", 1)  # the markers stay until every node has looked
     _wait_count(store, f"{PREFIX}/looked", launch.nnodes, timeout)
-    if store_host_here(launch):  # the store lives until every other node is done with it
-        _wait_count(store, f"{PREFIX}/left", launch.nnodes - 1, timeout)
-    else:
-        store.add(f"{PREFIX}/left", 1)
-    return nodes, problems
+    store.add(f"{PREFIX}/left", 1)
+    if store_host_here(launch):  # the store lives until every node is done with it
+        _wait_count(store, f"{PREFIX}/left", launch.nnodes, timeout)
+    return Meeting(nodes, me, problems)
 
 
 def together_problems(nodes: list[NodeFacts]) -> list[str]:
@@ -164,15 +204,15 @@ def folder_problems(nodes: list[NodeFacts], me: int) -> list[str]:
     return problems
 
 
-def write_markers(folders: tuple[str, ...]) -> dict[str, str]:
-    markers = {}
+def write_markers(folders: tuple[str, ...], markers: dict[str, str]) -> None:
+    """A marker file in each folder, named in `markers` as it is written (a folder that fails
+    leaves the ones before it listed, for remove_markers)."""
     for folder in folders:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f".{PREFIX}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
         with open(path, "w") as f:
             f.write(socket.gethostname())
         markers[folder] = os.path.abspath(path)
-    return markers
 
 
 def remove_markers(markers: dict[str, str]) -> None:
