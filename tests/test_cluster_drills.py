@@ -109,14 +109,10 @@ def test_slurm_runs_the_course_batch_file_on_two_nodes_equal_to_one_process(clus
         pytest.skip(f"no Slurm here: {missing}")
     slurm.start(cluster)  # nodes as the batch file asks for them: 32 CPUs, 8 GPUs (counts)
     node0 = cluster.hosts[0]
-    env = {**slurm.slurm_env(slurm.folder_of(cluster)), "CONFIG": "", "GPUS_PER_NODE": "1"}
-    env["STEPS"] = "2"
+    env = {**slurm.slurm_env(cluster), "CONFIG": "", "GPUS_PER_NODE": "1", "STEPS": "2"}
 
     def on_node0(*argv):
-        done = subprocess.run(
-            cluster.command(node0, list(argv)), env=env, capture_output=True, text=True
-        )
-        return done.stdout
+        return cluster.run(node0, list(argv), env=env).stdout
 
     job = on_node0("sbatch", "--parsable", "day28_gpt125m/launch/slurm.sbatch", "--workers=0")
     job = job.strip()
@@ -127,7 +123,7 @@ def test_slurm_runs_the_course_batch_file_on_two_nodes_equal_to_one_process(clus
         if "RUNNING" in queue or not queue.strip():
             break
         time.sleep(0.1)
-    state = slurm.wait_for_job(slurm.folder_of(cluster), slurm.hosts_of(cluster)[0], job)
+    state = slurm.wait_for_job(cluster, job)
     assert state == "COMPLETED"
     assert f"{job} RUNNING 2 node[0-1]" in queue, queue
     shown = on_node0("scontrol", "show", "job", job)

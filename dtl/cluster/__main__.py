@@ -71,9 +71,7 @@ def _up(prefix: str, n: int, with_slurm: bool, with_ssh: bool) -> int:
 def _start_daemons(cluster: hosts.Cluster, with_slurm: bool, with_ssh: bool) -> None:
     if with_slurm:
         slurm.start(cluster)
-        print(
-            f"slurm: SLURM_CONF={slurm.conf_path(slurm.folder_of(cluster))} (exec and all set it)"
-        )
+        print(f"slurm: SLURM_CONF={slurm.conf_path(cluster)} (exec and all set it)")
     if with_ssh:
         ssh.start(cluster)
         print(f"ssh: hostfile {ssh.hostfile(cluster, slots=1)}; `exec` runs with its ssh config")
@@ -110,8 +108,7 @@ def _all(cluster: hosts.Cluster, args: argparse.Namespace) -> int:
 
 def _slurm_env(cluster: hosts.Cluster) -> dict[str, str]:
     """SLURM_CONF for every command on a cluster that runs Slurm (sbatch, squeue, srun...)."""
-    conf = slurm.conf_path(slurm.folder_of(cluster))
-    return {"SLURM_CONF": conf} if os.path.exists(conf) else {}
+    return slurm.slurm_env(cluster) if os.path.exists(slurm.conf_path(cluster)) else {}
 
 
 def _down(cluster: hosts.Cluster, _: argparse.Namespace) -> int:

@@ -30,10 +30,9 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from dtl.cluster.hosts import Cluster, host_environment
+from dtl.cluster.hosts import Cluster, Host, host_environment
 from dtl.cluster.processes import alive, stop
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol")
@@ -42,16 +41,6 @@ TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "
 BATCH_CPUS = 32
 BATCH_GPUS = 8
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-
-
-@dataclass(frozen=True)
-class SlurmHost:
-    """One machine of the cluster: its node name, IP address, and the argv prefix
-    that runs a command on it (e.g. ``ip netns exec ... sh -c '...' sh``)."""
-
-    name: str
-    address: str
-    run_prefix: list[str]
 
 
 def missing_packages() -> str | None:
@@ -65,27 +54,29 @@ def missing_packages() -> str | None:
     )
 
 
-def conf_path(folder: str) -> str:
-    """slurm.conf in the folder: what SLURM_CONF names for every Slurm command."""
-    return str(Path(folder).resolve() / "slurm.conf")
+def folder_of(cluster: Cluster) -> str:
+    """Where the cluster's Slurm configuration and state live."""
+    return os.path.join(cluster.folder, "slurm")
 
 
-def slurm_env(folder: str) -> dict[str, str]:
-    """The environment for Slurm commands: ours, plus SLURM_CONF pointing into folder."""
-    return host_environment({"SLURM_CONF": conf_path(folder)})
+def conf_path(cluster: Cluster) -> str:
+    """slurm.conf in that folder: what SLURM_CONF names for every Slurm command."""
+    return os.path.join(folder_of(cluster), "slurm.conf")
 
 
-def write_config(
-    folder: str, hosts: list[SlurmHost], cpus_per_node: int = 1, gpus_per_node: int = 0
-) -> dict[str, str]:
+def slurm_env(cluster: Cluster) -> dict[str, str]:
+    """What a Slurm command (sbatch, squeue, srun, ...) needs added to its environment."""
+    return {"SLURM_CONF": conf_path(cluster)}
+
+
+def write_config(cluster: Cluster, cpus_per_node: int = 1, gpus_per_node: int = 0) -> None:
     """Write slurm.conf, cgroup.conf, a fresh munge key and the state folders into folder.
 
     The first host runs the controller. `gpus_per_node` declares that many GPUs per node
     (gres.conf, each GPU an empty stand-in file for its device): a batch file asking
     --gpus-per-node is accepted as on a GPU cluster, and no device is handed out. Returns the
-    environment variables a Slurm command needs (``SLURM_CONF``).
     """
-    root = Path(folder).resolve()
+    hosts, root = cluster.hosts, Path(folder_of(cluster)).resolve()
     # munged wants its socket folder open to all (tempfile.mkdtemp makes it 0700).
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)
@@ -147,7 +138,7 @@ def write_config(
         *node_lines,
         f"PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP",
     ]
-    Path(conf_path(folder)).write_text("\n".join(settings) + "\n")
+    Path(conf_path(cluster)).write_text("\n".join(settings) + "\n")
     # slurmd always loads a cgroup plugin; autodetection fails in containers, so name one.
     # With proctrack/linuxproc and task/none it is loaded but never used.
     (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
@@ -158,24 +149,16 @@ def write_config(
         device.touch()
     lines = [f"NodeName={h.name} Name=gpu File={d}" for h in hosts for d in devices]
     (root / "gres.conf").write_text("\n".join(["AutoDetect=off", *lines]) + "\n")
-    return {"SLURM_CONF": conf_path(folder)}
 
 
 def run_on(
-    folder: str, host: SlurmHost, argv: list[str], timeout: float = 30
+    cluster: Cluster, host: Host, argv: list[str], timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:
     """Run a Slurm client command (sinfo, sbatch, ...) on host; output is captured."""
-    return subprocess.run(
-        [*host.run_prefix, *argv],
-        env=slurm_env(folder),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return cluster.run(host, argv, timeout, env=slurm_env(cluster))
 
 
-def start_daemons(folder: str, hosts: list[SlurmHost], timeout: float = 60) -> list[int]:
+def start_daemons(cluster: Cluster, timeout: float = 60) -> list[int]:
     """Start munged, slurmctld (on hosts[0]) and one slurmd per host; wait for idle nodes.
 
     Returns the pids in start order. Each daemon's output (start-up errors included)
@@ -184,8 +167,8 @@ def start_daemons(folder: str, hosts: list[SlurmHost], timeout: float = 60) -> l
     If the nodes are not all idle within timeout seconds, or a daemon exits, the daemons
     are stopped and the error names the file to read.
     """
-    root = Path(folder).resolve()
-    env = slurm_env(folder)
+    hosts, root = cluster.hosts, Path(folder_of(cluster)).resolve()
+    env = host_environment(slurm_env(cluster))
     socket = root / "munge.sock"
     started: list[tuple[int, Path]] = []
 
@@ -207,21 +190,23 @@ def start_daemons(folder: str, hosts: list[SlurmHost], timeout: float = 60) -> l
     try:
         launch(munged, "munged")
         _wait_for(lambda: socket.exists(), started, timeout, "munge socket")
-        launch([*hosts[0].run_prefix, "slurmctld", "-D"], "slurmctld")
+        launch(cluster.command(hosts[0], ["slurmctld", "-D"]), "slurmctld")
         for host in hosts:
-            launch([*host.run_prefix, "slurmd", "-D", "-N", host.name], f"slurmd-{host.name}")
-        _wait_for(lambda: _all_idle(folder, hosts), started, timeout, "all nodes idle")
+            daemon = ["slurmd", "-D", "-N", host.name]
+            launch(cluster.command(host, daemon), f"slurmd-{host.name}")
+        _wait_for(lambda: _all_idle(cluster), started, timeout, "all nodes idle")
     except BaseException:
         stop([pid for pid, _ in started])
         raise
     return [pid for pid, _ in started]
 
 
-def wait_for_job(folder: str, host: SlurmHost, job_id: str, timeout: float = 120) -> str:
+def wait_for_job(cluster: Cluster, job_id: str, timeout: float = 120) -> str:
     """Poll ``scontrol show job`` until the job has finished; return its final state."""
     deadline = time.monotonic() + timeout
+    show = ["scontrol", "show", "job", "--oneliner", job_id]
     while True:
-        shown = run_on(folder, host, ["scontrol", "show", "job", "--oneliner", job_id]).stdout
+        shown = run_on(cluster, cluster.hosts[0], show).stdout
         fields = dict(part.split("=", 1) for part in shown.split() if "=" in part)
         state = fields.get("JobState", "UNKNOWN")
         if state in DONE_STATES:
@@ -231,10 +216,11 @@ def wait_for_job(folder: str, host: SlurmHost, job_id: str, timeout: float = 120
         time.sleep(0.5)
 
 
-def _all_idle(folder: str, hosts: list[SlurmHost]) -> bool:
-    result = run_on(folder, hosts[0], ["sinfo", "--noheader", "--Node", "--format=%N %t"])
+def _all_idle(cluster: Cluster) -> bool:
+    sinfo = ["sinfo", "--noheader", "--Node", "--format=%N %t"]
+    result = run_on(cluster, cluster.hosts[0], sinfo)
     states = dict(line.split(maxsplit=1) for line in result.stdout.splitlines() if " " in line)
-    return result.returncode == 0 and all(states.get(h.name) == "idle" for h in hosts)
+    return result.returncode == 0 and all(states.get(h.name) == "idle" for h in cluster.hosts)
 
 
 def _wait_for(
@@ -251,23 +237,13 @@ def _wait_for(
         time.sleep(0.2)
 
 
-def folder_of(cluster: Cluster) -> str:
-    """Where the cluster's Slurm configuration and state live."""
-    return os.path.join(cluster.folder, "slurm")
-
-
-def hosts_of(cluster: Cluster) -> list[SlurmHost]:
-    return [SlurmHost(h.name, h.address, cluster.command(h, [])) for h in cluster.hosts]
-
-
 def start(
     cluster: Cluster, cpus_per_node: int = BATCH_CPUS, gpus_per_node: int = BATCH_GPUS
 ) -> None:
     """Write the configuration and start the daemons on the cluster's hosts; their pids are
     recorded in the cluster's state, so `down` stops them."""
-    hosts = hosts_of(cluster)
-    write_config(folder_of(cluster), hosts, cpus_per_node, gpus_per_node)
-    pids = start_daemons(folder_of(cluster), hosts)
-    names = ["munged", "slurmctld", *(f"slurmd-{h.name}" for h in hosts)]
+    write_config(cluster, cpus_per_node, gpus_per_node)
+    pids = start_daemons(cluster)
+    names = ["munged", "slurmctld", *(f"slurmd-{h.name}" for h in cluster.hosts)]
     cluster.daemons.update(zip(names, pids, strict=True))
     cluster.save()
