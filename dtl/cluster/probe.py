@@ -18,7 +18,7 @@ from dtl import dist as dtl_dist
 def main() -> None:
     info = dtl_dist.init()
     hosts = dtl_dist.hosts_line(info)  # all_gather_object: the first traffic between the hosts
-    x = torch.tensor([float(info.rank + 1)])
+    x = torch.tensor([float(info.rank + 1)], device=info.device)
     dist.all_reduce(x)  # (1,) on every rank: 1 + 2 + ... + world
     want = info.world_size * (info.world_size + 1) / 2
     ok = x.item() == want

@@ -97,7 +97,7 @@ def meet(launch: Launch, timeout: float) -> Meeting:
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
         )
-    except (RuntimeError, dist.DistError) as err:
+    except RuntimeError as err:  # c10d's DistError is a RuntimeError
         return _failed(f"{name} cannot use {endpoint}: {_first_line(err)}")
     markers: dict[str, str] = {}
     try:
@@ -105,7 +105,7 @@ def meet(launch: Launch, timeout: float) -> Meeting:
         return _exchange(store, launch, markers, timeout)
     except OSError as err:  # a folder this node cannot write
         return _failed(f"cannot write to {err.filename} on {name}: {err.strerror}")
-    except (RuntimeError, dist.DistError) as err:  # the store's host went away mid-way
+    except RuntimeError as err:  # c10d's errors are RuntimeErrors: the store's host went away
         return _failed(f"{name} lost {endpoint}: {_first_line(err)}")
     finally:
         remove_markers(markers)
@@ -144,7 +144,7 @@ def _exchange(
     keys = [f"{PREFIX}/node/{i}" for i in range(launch.nnodes)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError):
+    except RuntimeError:  # DistStoreError: a timeout
         joined = store.add(f"{PREFIX}/joined", 0)
         return _failed(
             f"only {joined} of {launch.nnodes} nodes reached {_endpoint(launch)} within "
