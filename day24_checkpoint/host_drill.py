@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from day24_checkpoint.drill import Config as DrillConfig
 from day24_checkpoint.drill import Drills, Run
-from dtl.cluster import hosts
+from dtl.cluster import hosts, launch
 
 PORT = 29620
 STEP_SLEEP_S = 0.3  # slows each step so the kill lands mid-run (the numbers do not change)
@@ -78,24 +77,15 @@ def kill_and_replace(cluster: hosts.Cluster, drills: Drills, timeout: float = 12
     doomed.wait()
     joiner = cluster.spawn(spare, line, ENV, log=os.path.join(logs, "drill-node2.log"))
     deadline = t0 + timeout
-    codes = [_wait_or_end(cluster, h, p, deadline) for h, p in ((first, survivor), (spare, joiner))]
+    ends = [
+        launch.wait_or_end(cluster, h, p, deadline) for h, p in ((first, survivor), (spare, joiner))
+    ]
+    codes = [-9 if code is None else code for code in ends]  # None: ended at the deadline
     with open(os.path.join(logs, "drill-node0.log"), errors="replace") as f:
         output = f.read()
     run = Run(max(codes, key=abs), output, out_dir, time.monotonic() - t0)
     same = run.returncode == 0 and drills.same_as_reference(run)
     return HostDrill(run, victim.name, killed_at, spare.name, same)
-
-
-def _wait_or_end(
-    cluster: hosts.Cluster, host: hosts.Host, proc: subprocess.Popen[bytes], deadline: float
-) -> int:
-    """The agent's exit code; past the deadline, everything it started on its host is ended
-    (torchrun's workers run in their own sessions: killing the agent alone leaves them)."""
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if proc.poll() is None:
-        cluster.end_runs(host)
-    return proc.wait()
 
 
 def main() -> int:

@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             return _up(args.prefix, args.n, args.slurm, args.ssh)
         cluster = hosts.load(args.prefix)
         if cluster is None:
-            print(f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)")
+            print(
+                f"error: no cluster {args.prefix} is up (python -m dtl.cluster up 2)",
+                file=sys.stderr,
+            )
             return 2
         return ACTIONS[args.action](cluster, args)
     except (RuntimeError, ValueError, KeyError, TimeoutError) as err:  # said in one line
@@ -56,7 +59,7 @@ def _up(prefix: str, n: int, with_slurm: bool, with_ssh: bool) -> int:
         or (with_ssh and ssh.missing_packages())
     )
     if problem:
-        print(f"error: cannot build the cluster here: {problem}")
+        print(f"error: cannot build the cluster here: {problem}", file=sys.stderr)
         return 2
     cluster = hosts.up(n, prefix)
     try:

@@ -11,6 +11,7 @@ hang is a result, never a stuck test.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,12 +64,24 @@ def run_on_hosts(
         time.sleep(0.05)
     results = []
     for host, proc in procs.items():
-        if host not in ended:
-            cluster.end_runs(host)  # what the command started; the cluster's daemons stay
-            proc.kill()
-        proc.wait()
+        code = wait_or_end(cluster, host, proc, deadline=t0 + timeout)
         with open(os.path.join(logs, f"{host.name}.log"), errors="replace") as f:
             output = f.read()
-        code = proc.returncode if host in ended else None
         results.append(HostRun(host.name, code, output, ended.get(host, timeout)))
     return results
+
+
+def wait_or_end(
+    cluster: Cluster, host: Host, proc: subprocess.Popen[bytes], deadline: float
+) -> int | None:
+    """proc's exit code once it ends; None if it still runs at `deadline` (time.monotonic()),
+    when everything it started on its host is ended (torchrun's workers run in sessions of their
+    own: killing the agent alone leaves them), the cluster's daemons spared."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        return proc.returncode
+    cluster.end_runs(host)
+    proc.kill()
+    proc.wait()
+    return None

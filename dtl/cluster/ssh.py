@@ -100,9 +100,8 @@ def start(cluster: Cluster, timeout: float = 10) -> dict[str, str]:
         f.writelines(known)
     with open(client_config(cluster), "w") as f:
         f.write(_client_text(folder))
-    env_file = os.path.join(folder, "deepspeed_env")
     forwarded = {"PATH": host_environment()["PATH"], **_prebuilt_ops(), **REMOTE_ENV}
-    with open(env_file, "w") as f:
+    with open(_env_file(cluster), "w") as f:
         f.writelines(f"{name}={value}\n" for name, value in forwarded.items())
     _start_daemons(cluster, timeout)
     return launcher_env(cluster)
@@ -116,8 +115,13 @@ def launcher_env(cluster: Cluster) -> dict[str, str]:
     return {
         "PDSH_RCMD_TYPE": "ssh",
         "PDSH_SSH_ARGS_APPEND": f"-F {client_config(cluster)}",
-        "DS_ENV_FILE": os.path.join(folder_of(cluster), "deepspeed_env"),
+        "DS_ENV_FILE": _env_file(cluster),
     }
+
+
+def _env_file(cluster: Cluster) -> str:
+    """The deepspeed launcher's `.deepspeed_env`: the variables every remote rank gets."""
+    return os.path.join(folder_of(cluster), "deepspeed_env")
 
 
 def hostfile(cluster: Cluster, slots: int, hosts: list[Host] | None = None) -> str:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(launch: checks.Launch, meeting: exchange.Meeting) -> str:
     nodes, me = meeting.nodes, meeting.nodes[meeting.me]
-    endpoint = f"{launch.host}:{launch.port} = {network.resolve(launch.host)[0]}"
+    endpoint = f"{launch.endpoint} = {network.resolve(launch.host)[0]}"
     folders = f"; shared: {', '.join(launch.folders)}" if launch.folders else ""
     return (
         f"preflight {me.hostname}: ok, {len(nodes)} of {launch.nnodes} nodes met at {endpoint}; "

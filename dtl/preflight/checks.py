@@ -21,6 +21,10 @@ class Launch:
     node_rank: int | None = None
     folders: tuple[str, ...] = field(default_factory=tuple)  # written once, read by every node
 
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
 
 def store_host_here(launch: Launch) -> bool:
     """Does this node host the meeting point? Node rank 0 under a static rendezvous; the node

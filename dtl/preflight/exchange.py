@@ -82,7 +82,7 @@ class Meeting:
 def meet(launch: Launch, timeout: float) -> Meeting:
     """Every node's facts and the problems this node sees; a node that cannot reach the
     endpoint, nodes that never arrive and more nodes than --nnodes are problems too."""
-    here, name, endpoint = store_host_here(launch), socket.gethostname(), _endpoint(launch)
+    here, name, endpoint = store_host_here(launch), socket.gethostname(), launch.endpoint
     if not here and not _reachable(launch.host, launch.port, timeout):
         # c10d's own client would log a stack per retry: one line instead
         return _failed(
@@ -102,7 +102,7 @@ def meet(launch: Launch, timeout: float) -> Meeting:
     markers: dict[str, str] = {}
     try:
         write_markers(launch.folders, markers)
-        return _exchange(store, launch, markers, timeout)
+        return _exchange(store, launch, here, markers, timeout)
     except OSError as err:  # a folder this node cannot write
         return _failed(f"cannot write to {err.filename} on {name}: {err.strerror}")
     except RuntimeError as err:  # c10d's errors are RuntimeErrors: the store's host went away
@@ -113,10 +113,6 @@ def meet(launch: Launch, timeout: float) -> Meeting:
 
 def _failed(problem: str, me: int = -1) -> Meeting:
     return Meeting([], me, [problem])
-
-
-def _endpoint(launch: Launch) -> str:
-    return f"{launch.host}:{launch.port}"
 
 
 def _first_line(err: Exception) -> str:
@@ -135,11 +131,11 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
 
 
 def _exchange(
-    store: dist.TCPStore, launch: Launch, markers: dict[str, str], timeout: float
+    store: dist.TCPStore, launch: Launch, here: bool, markers: dict[str, str], timeout: float
 ) -> Meeting:
     me = store.add(f"{PREFIX}/joined", 1) - 1
     if me >= launch.nnodes:  # not counted among those the store's host waits for
-        return _failed(f"more than {launch.nnodes} nodes reached {_endpoint(launch)}", me)
+        return _failed(f"more than {launch.nnodes} nodes reached {launch.endpoint}", me)
     store.set(f"{PREFIX}/node/{me}", json.dumps(asdict(my_facts(launch, markers))))
     keys = [f"{PREFIX}/node/{i}" for i in range(launch.nnodes)]
     try:
@@ -147,7 +143,7 @@ def _exchange(
     except RuntimeError:  # DistStoreError: a timeout
         joined = store.add(f"{PREFIX}/joined", 0)
         return _failed(
-            f"only {joined} of {launch.nnodes} nodes reached {_endpoint(launch)} within "
+            f"only {joined} of {launch.nnodes} nodes reached {launch.endpoint} within "
             f"{timeout:.0f} s (seen from {socket.gethostname()}): check every node's endpoint, "
             "--nnodes and firewall",
             me,
@@ -157,7 +153,7 @@ def _exchange(
     store.add(f"{PREFIX}/looked", 1)  # the markers stay until every node has looked
     _wait_count(store, f"{PREFIX}/looked", launch.nnodes, timeout)
     store.add(f"{PREFIX}/left", 1)
-    if store_host_here(launch):  # the store lives until every node is done with it
+    if here:  # the store lives until every node is done with it
         _wait_count(store, f"{PREFIX}/left", launch.nnodes, timeout)
     return Meeting(nodes, me, problems)
 
