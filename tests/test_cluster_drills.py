@@ -156,3 +156,16 @@ def test_the_deepspeed_launcher_runs_the_course_script_on_two_hosts_equal_to_one
     assert re.search(
         r"node0: summary: day28 zero3 \S+ on 2 ranks .*losses match one process yes", output
     )
+
+
+def test_day15s_two_node_line_runs_every_collective_across_two_hosts(cluster):
+    # the line day 15's notes run on two hosts, two processes on each
+    line = ["torchrun", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d"]
+    line += ["--rdzv-endpoint=node0:29500", "-m", "day15_collectives.collectives"]
+    node0, node1 = launch.run_on_hosts(cluster, {h: line for h in cluster.hosts[:2]}, timeout=90)
+    assert node0.returncode == 0 and node1.returncode == 0, node0.output[-2000:]
+    table = [x.split() for x in node0.output.splitlines() if re.match(r"\s+\d+\s+\d+\s+node", x)]
+    assert [row[:3] for row in table] == [
+        ["0", "0", "node0"], ["1", "1", "node0"], ["2", "0", "node1"], ["3", "1", "node1"]
+    ]  # fmt: skip
+    assert re.search(r"^summary: collectives (\d+)/\1 checks passed on 4 ranks", node0.output, re.M)
